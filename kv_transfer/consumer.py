@@ -1,0 +1,116 @@
+"""Consumer side of the transfer process: pulls KV blocks into a decode worker's cache.
+
+For each ``pull`` job from the worker it connects to the prefill worker's agent, sends the
+request id, the remote block ids and its compatibility description, receives the blocks'
+bytes straight into the mapped memory of its own (already allocated) blocks, acknowledges,
+and reports ``done`` with ``ok`` and the bytes and seconds. Every job is reported exactly
+once, failed or not, because the engine frees the destination blocks only then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kv_transfer.agent import AgentConfig, Reporter
+from kv_transfer.client import release
+from kv_transfer.errors import KVTransferError
+from kv_transfer.wire import recv_frame, recv_into_exact, send_frame, tune
+
+log = logging.getLogger("kv_transfer.consumer")
+
+
+class Consumer:
+    def __init__(self, config: AgentConfig, regions: list[memoryview], reporter: Reporter):
+        self.config = config
+        self.regions = regions
+        self.reporter = reporter
+        self.port = 0
+        self.pool = ThreadPoolExecutor(config.max_parallel, thread_name_prefix="kv-pull")
+        self.active: dict[str, socket.socket] = {}
+        self.lock = threading.Lock()
+
+    def handle(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "pull":
+            self.pool.submit(self._pull_job, message)
+        elif op == "release":
+            self.pool.submit(self._release_job, message)
+        elif op == "cancel":
+            self._cancel(str(message["req"]))
+        else:
+            log.warning("unknown control message %r", op)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _cancel(self, req: str) -> None:
+        with self.lock:
+            conn = self.active.get(req)
+        if conn is not None:
+            log.info("cancelling the pull of %s", req)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _release_job(self, job: dict[str, Any]) -> None:
+        try:
+            release(job["host"], int(job["port"]), str(job["remote_req"]))
+        except OSError as exc:
+            log.warning(
+                "could not release %s on %s:%s: %s",
+                job["remote_req"],
+                job["host"],
+                job["port"],
+                exc,
+            )
+
+    def _pull_job(self, job: dict[str, Any]) -> None:
+        req = str(job["req"])
+        started = time.perf_counter()
+        result: dict[str, Any] = {"op": "done", "req": req, "ok": False}
+        try:
+            result["bytes"] = self._pull(job)
+            result["ok"] = True
+        except (OSError, ValueError, KVTransferError) as exc:
+            result["error"] = f"KV pull from {job['host']}:{job['port']} failed: {exc}"
+            log.warning("%s", result["error"])
+        finally:
+            with self.lock:
+                self.active.pop(req, None)
+            result["seconds"] = time.perf_counter() - started
+            result["blocks"] = len(job["local_blocks"])
+            self.reporter.send(result)
+
+    def _pull(self, job: dict[str, Any]) -> int:
+        layout = self.config.layout
+        local = [int(b) for b in job["local_blocks"]]
+        remote = [int(b) for b in job["remote_blocks"]]
+        if len(local) != len(remote):
+            raise ValueError(f"{len(remote)} remote blocks for {len(local)} local blocks")
+        layout.check_blocks(local)
+        expected = len(local) * layout.bytes_per_block
+        conn = socket.create_connection(
+            (job["host"], int(job["port"])), timeout=self.config.io_timeout_s
+        )
+        with self.lock:
+            self.active[str(job["req"])] = conn
+        with conn:
+            tune(conn)
+            request = {"op": "pull", "req": job["remote_req"], "blocks": remote}
+            send_frame(conn, {**request, "compat": self.config.compat})
+            header = recv_frame(conn)
+            if not header.get("ok"):
+                raise KVTransferError(str(header.get("error", "refused")))
+            if int(header["nbytes"]) != expected:
+                raise KVTransferError(f"peer offers {header['nbytes']} bytes, want {expected}")
+            got = 0
+            for view in layout.views(self.regions, local):
+                recv_into_exact(conn, view)
+                got += len(view)
+            send_frame(conn, {"op": "ack", "ok": True})
+            return got

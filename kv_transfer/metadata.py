@@ -1,0 +1,56 @@
+"""Messages between the connector's scheduler half (EngineCore) and worker half (Worker).
+
+Both are pickled by vLLM once per engine step, so they stay small: ids and block lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class PullJob:
+    req_id: str
+    host: str
+    port: int
+    remote_req_id: str
+    remote_blocks: list[int]
+    local_blocks: list[int]
+
+
+@dataclass
+class ReleaseJob:
+    host: str
+    port: int
+    remote_req_id: str
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """Scheduler -> worker: what to start this step."""
+
+    serve: dict[str, list[int]] = field(default_factory=dict)  # producer: req -> blocks
+    pull: list[PullJob] = field(default_factory=list)  # consumer
+    release: list[ReleaseJob] = field(default_factory=list)  # consumer
+
+
+@dataclass
+class TransferReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per-request results of finished pulls this step."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, TransferReport):
+            for req, result in other.results.items():
+                mine = self.results.setdefault(req, dict(result))
+                if mine is not result:
+                    mine["bytes"] = max(mine.get("bytes", 0), result.get("bytes", 0))
+                    mine["ok"] = mine.get("ok", False) and result.get("ok", False)
+        return self

@@ -1,0 +1,161 @@
+"""The connector's scheduler half, inside vLLM's EngineCore process.
+
+``ProducerScheduler`` (prefill worker) pins a finished prompt's blocks and tells the decode
+side where to pull them from, in vLLM's ``kv_transfer_params`` contract. ``ConsumerScheduler``
+(decode worker) asks vLLM to wait for the blocks that its local prefix cache lacks, has the
+worker pull exactly those, and records what the engine computed itself, so every finished
+request reports its transfer statistics (returned as ``kv_transfer_params["pdserve"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from kv_transfer.metadata import PullJob, ReleaseJob, StepMetadata, TransferReport
+
+log = logging.getLogger(__name__)
+
+PINNABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class Endpoint:
+    engine_id: str
+    host: str
+    port: int
+
+
+class ProducerScheduler:
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.to_serve: dict[str, list[int]] = {}
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in PINNABLE or not block_ids:
+            return False, None  # aborted or failed: nothing for a decode worker to pull
+        self.to_serve[request.request_id] = list(block_ids)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(block_ids),
+            "remote_engine_id": self.endpoint.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.endpoint.host,
+            "remote_port": self.endpoint.port,
+            "remote_num_tokens": request.num_prompt_tokens,
+        }
+
+    def build_meta(self, scheduler_output: Any) -> StepMetadata:
+        meta = StepMetadata(serve=self.to_serve)
+        self.to_serve = {}
+        return meta
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    prompt_computed: int = 0
+    local_cached_tokens: int = 0
+    received_tokens: int = 0
+    received_blocks: int = 0
+    received_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_error: str = ""
+
+    def as_params(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class ConsumerScheduler:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.to_pull: list[PullJob] = []
+        self.to_release: list[ReleaseJob] = []
+        self.stats: dict[str, RequestStats] = {}
+
+    def on_new_request(self, request: Any) -> None:
+        self.stats[request.request_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not (params.get("do_remote_prefill") and params.get("remote_block_ids")):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # exactly one transfer per request
+        port = int(params["remote_port"])
+        if num_external <= 0:
+            self.to_release.append(
+                ReleaseJob(params["remote_host"], port, params["remote_request_id"])
+            )
+            return
+        local = blocks.get_unhashed_block_ids()
+        cached = sum(1 for b in blocks.blocks[0] if b.block_hash is not None)
+        remote = [int(b) for b in params["remote_block_ids"]][cached : cached + len(local)]
+        if len(remote) != len(local):
+            raise ValueError(
+                f"decode needs {len(local)} blocks after {cached} cached ones, "
+                f"prefill offers {len(params['remote_block_ids'])}"
+            )
+        job = PullJob(
+            request.request_id,
+            params["remote_host"],
+            port,
+            str(params["remote_request_id"]),
+            remote,
+            local,
+        )
+        self.to_pull.append(job)
+        stats = self.stats.get(request.request_id)
+        if stats is not None:
+            stats.local_cached_tokens = request.num_prompt_tokens - num_external
+            stats.received_tokens = num_external
+
+    def build_meta(self, scheduler_output: Any) -> StepMetadata:
+        self._count_computed(scheduler_output)
+        meta = StepMetadata(pull=self.to_pull, release=self.to_release)
+        self.to_pull, self.to_release = [], []
+        return meta
+
+    def _count_computed(self, out: Any) -> None:
+        """Prompt tokens the engine schedules this step, from the scheduler's own decisions."""
+        scheduled = out.num_scheduled_tokens
+        pairs = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        pairs += list(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        for req_id, done in pairs:
+            stats = self.stats.get(req_id)
+            if stats is not None and req_id in scheduled:
+                end = min(done + scheduled[req_id], stats.prompt_tokens)
+                stats.prompt_computed += max(0, end - done)
+
+    def update_connector_output(self, output: Any) -> None:
+        report = output.kv_connector_worker_meta
+        if not isinstance(report, TransferReport):
+            return
+        for req_id, result in report.results.items():
+            stats = self.stats.get(req_id)
+            if stats is None:
+                continue
+            stats.received_bytes = int(result.get("bytes", 0))
+            stats.received_blocks = int(result.get("blocks", 0))
+            stats.transfer_seconds = float(result.get("seconds", 0.0))
+            if not result.get("ok"):
+                stats.received_tokens = 0
+                stats.transfer_error = str(result.get("error", "KV transfer failed"))
+
+    def request_finished(self, request: Any) -> tuple[bool, dict | None]:
+        stats = self.stats.pop(request.request_id, None)
+        return False, ({"pdserve": stats.as_params()} if stats else None)

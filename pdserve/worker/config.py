@@ -1,0 +1,51 @@
+"""Settings common to both worker roles; each role subclasses with its own env prefix."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from pdserve.settings import PREFILL_KV_PORT
+
+
+class WorkerSettings(BaseSettings):
+    worker_id: str = Field("", description="name shown in logs and routing (default: role-port)")
+    model: str = Field("", description="local Hugging Face model directory (default: prepared)")
+    served_model_name: str = Field("", description="model name clients use (default: dir name)")
+    host: str = Field("127.0.0.1", description="gRPC bind address")
+    port: int = Field(0, description="gRPC port")
+    kv_connector: Literal["pdserve", "nixl"] = Field(
+        "pdserve", description="KV connector: pdserve (TCP, CPU KV caches) or nixl (GPU/RDMA)"
+    )
+    kv_host: str = Field(
+        "", description="address other workers use to reach this worker's KV port (default: host)"
+    )
+    kv_bind_host: str = Field("", description="KV transfer bind address (default: host)")
+    kv_port: int = Field(PREFILL_KV_PORT, description="KV transfer port of a prefill worker")
+    kv_lease_s: float = Field(30.0, description="seconds a prefill keeps unpulled blocks pinned")
+    kv_load_failure_policy: Literal["fail", "recompute"] = Field(
+        "fail", description="decode: on a failed KV pull, fail the request or recompute the prompt"
+    )
+    kv_cache_gib: float = Field(1.0, description="CPU only: KV cache size in GiB")
+    cpu_cores: str = Field("", description="CPU only: cores for the engine, e.g. '0' or '0-3'")
+    hash_seed: int = Field(
+        42,
+        ge=0,
+        le=4294967295,
+        description="PYTHONHASHSEED of the engine, the same in the whole deployment (block hashes)",
+    )
+    engine_args: str = Field(
+        "", description="vLLM engine arguments as for `vllm serve`, e.g. '--max-model-len 4096'"
+    )
+    shutdown_grace_s: float = Field(10.0, description="seconds to finish requests on shutdown")
+    log_level: str = Field("INFO", description="log level")
+
+    @property
+    def name(self) -> str:
+        return self.worker_id or f"{self.role}-{self.port}"
+
+    @property
+    def role(self) -> Literal["prefill", "decode"]:
+        raise NotImplementedError

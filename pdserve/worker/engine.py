@@ -1,0 +1,127 @@
+"""The in-process vLLM engine of a worker: arguments, environment, start and introspection.
+
+Engine arguments are vLLM's own: the user's ``--engine-args`` string is parsed by vLLM's
+``AsyncEngineArgs`` parser (so it is validated there, exactly as for ``vllm serve``), after
+pdserve's defaults, which it may override. pdserve owns only the KV connector configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.worker.config import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.5"]
+COMMON_DEFAULT_ARGS = ["--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor"]
+
+
+def has_gpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
+def apply_environment(settings: WorkerSettings) -> None:
+    """Environment that vLLM's engine processes read; set before the engine starts."""
+    os.environ["PYTHONHASHSEED"] = str(settings.hash_seed)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+    if settings.cpu_cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
+
+
+def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
+    from vllm.config import KVTransferConfig
+
+    from kv_transfer import CONNECTOR_MODULE, CONNECTOR_NAME
+
+    role: Literal["kv_producer", "kv_consumer"] = (
+        "kv_producer" if settings.role == "prefill" else "kv_consumer"
+    )
+    if settings.kv_connector == "nixl":
+        return KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role=role,
+            kv_load_failure_policy=settings.kv_load_failure_policy,
+        )
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role=role,
+        engine_id=engine_id,
+        kv_load_failure_policy=settings.kv_load_failure_policy,
+        kv_connector_extra_config={
+            "kv_host": settings.kv_host or settings.host,
+            "kv_bind_host": settings.kv_bind_host or settings.host,
+            "kv_port": settings.kv_port,
+            "lease_s": settings.kv_lease_s,
+        },
+    )
+
+
+def engine_args(settings: WorkerSettings, model: str) -> Any:
+    """vLLM AsyncEngineArgs from pdserve defaults + the user's engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    user = shlex.split(settings.engine_args)
+    if any(a.startswith("--kv-transfer-config") for a in user):
+        raise ValueError("--kv-transfer-config is set by pdserve; use --kv-connector instead")
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="engine-args"))
+    defaults = COMMON_DEFAULT_ARGS + ([] if has_gpu() else CPU_DEFAULT_ARGS)
+    served = settings.served_model_name or os.path.basename(model.rstrip("/"))
+    argv = ["--model", model, "--served-model-name", served, *defaults, *user]
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
+    args.kv_transfer_config = kv_transfer_config(settings, engine_id=settings.name)
+    return args
+
+
+@dataclass
+class EngineInfo:
+    """What the worker reports as its capabilities."""
+
+    model: str
+    served_model_name: str
+    block_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    dtype: str
+    kv_connector: str
+    kv_compat: dict[str, str]
+
+
+def _first(name: Any) -> str:
+    return str(name[0] if isinstance(name, list | tuple) else name)
+
+
+def describe(engine: Any) -> EngineInfo:
+    from kv_transfer import compat
+
+    config = engine.vllm_config
+    cache = config.cache_config
+    return EngineInfo(
+        model=config.model_config.model,
+        served_model_name=_first(config.model_config.served_model_name),
+        block_size=int(cache.block_size),
+        max_model_len=int(config.model_config.max_model_len),
+        num_kv_blocks=int(cache.num_gpu_blocks or 0),
+        dtype=str(config.model_config.dtype).removeprefix("torch."),
+        kv_connector=str(config.kv_transfer_config.kv_connector),
+        kv_compat=compat.describe(config),
+    )
+
+
+def start_engine(settings: WorkerSettings, model: str) -> Any:
+    """Start the vLLM AsyncLLM (spawns its engine-core and worker processes)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    apply_environment(settings)
+    args = engine_args(settings, model)
+    log.info("starting vLLM engine for %s (%s)", model, settings.role)
+    return AsyncLLM.from_engine_args(args)

@@ -1,0 +1,46 @@
+"""Translation of ``pdserve.v1.SamplingParams`` into vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.worker.errors import InvalidRequest
+from protos.v1 import common_pb2
+
+_OPTIONAL = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+def to_vllm(
+    params: common_pb2.SamplingParams, max_model_len: int, prompt_len: int, **extra: Any
+) -> Any:
+    """vLLM SamplingParams; ``extra`` sets fields such as ``output_kind`` or ``extra_args``."""
+    from vllm import SamplingParams
+
+    kwargs: dict[str, Any] = {f: getattr(params, f) for f in _OPTIONAL if params.HasField(f)}
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise InvalidRequest(
+            f"prompt has {prompt_len} tokens; the model's context is {max_model_len} tokens"
+        )
+    kwargs["max_tokens"] = min(params.max_tokens or room, room)
+    kwargs["stop"] = list(params.stop) or None
+    kwargs["stop_token_ids"] = list(params.stop_token_ids) or None
+    kwargs["ignore_eos"] = params.ignore_eos
+    kwargs["min_tokens"] = params.min_tokens
+    kwargs.update(extra)
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(str(exc)) from exc

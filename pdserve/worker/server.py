@@ -1,0 +1,126 @@
+"""The gRPC skeleton both worker roles share: bootstrap, error mapping, capabilities, abort.
+
+The server binds first and reports NOT_SERVING while the engine loads (RPCs answer
+UNAVAILABLE), then SERVING; it exits when the engine dies so that a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from pdserve import __version__
+from pdserve.grpc_server import GrpcServer, stop_event_on_signals
+from pdserve.worker.config import WorkerSettings
+from pdserve.worker.errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    KVTransferFailed,
+    RequestAborted,
+    WorkerError,
+)
+from pdserve.worker.service import WorkerService
+from protos.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+_CODES: dict[type[WorkerError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    KVTransferFailed: grpc.StatusCode.UNAVAILABLE,
+    RequestAborted: grpc.StatusCode.CANCELLED,
+}
+
+
+def grpc_code(exc: WorkerError) -> grpc.StatusCode:
+    for kind, code in _CODES.items():
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def fail(context: grpc.aio.ServicerContext, exc: WorkerError) -> NoReturn:
+    """End the RPC with the status that matches ``exc`` (the one mapping for workers)."""
+    if isinstance(exc, KVTransferFailed):
+        await context.send_initial_metadata((("x-pdserve-error", "kv_transfer_failed"),))
+    await context.abort(grpc_code(exc), str(exc))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class ServicerBase:
+    """Abort and GetCapabilities for both roles; ``service`` is set once the engine is up."""
+
+    role: int = worker_pb2.ROLE_UNSPECIFIED
+
+    def __init__(self) -> None:
+        self.service: Any = None
+
+    async def ready(self, context: grpc.aio.ServicerContext) -> Any:
+        if self.service is None:
+            await fail(context, EngineUnavailable("the worker's engine is still starting"))
+        return self.service
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        service = await self.ready(context)
+        return worker_pb2.AbortResponse(found=await service.abort(request.request_id))
+
+    async def GetCapabilities(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        service: WorkerService = await self.ready(context)
+        info = service.info
+        return worker_pb2.Capabilities(
+            worker_id=service.settings.name,
+            role=self.role,  # type: ignore[arg-type]
+            model=info.model,
+            served_model_name=info.served_model_name,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.num_kv_blocks * info.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            dtype=info.dtype,
+            kv_connector=info.kv_connector,
+            kv_compat=info.kv_compat,
+            version=__version__,
+        )
+
+
+async def serve(
+    settings: WorkerSettings,
+    servicer: ServicerBase,
+    register: Callable[[grpc.aio.Server], None],
+    service_name: str,
+    make_service: Callable[[Any, WorkerSettings, Any], WorkerService],
+) -> int:
+    """Run one worker until SIGINT/SIGTERM or engine death; returns the exit code."""
+    from pdserve.model import resolve_model
+    from pdserve.worker.engine import describe, start_engine
+
+    model = resolve_model(settings.model or None)
+    server = GrpcServer(settings.host, settings.port, [register], [service_name])
+    await server.start()
+    await server.set_serving(False)
+    log.info("%s listening on %s:%d, loading %s", settings.name, settings.host, server.port, model)
+    stop = stop_event_on_signals()
+    engine = start_engine(settings, model)
+    servicer.service = make_service(engine, settings, describe(engine))
+    await server.set_serving(True)
+    log.info("%s ready (%s)", settings.name, servicer.service.info.kv_connector)
+    code = await _run_until_stopped(engine, stop)
+    log.info("%s stopping", settings.name)
+    await server.stop(settings.shutdown_grace_s)
+    servicer.service.shutdown()
+    return code
+
+
+async def _run_until_stopped(engine: Any, stop: asyncio.Event) -> int:
+    while not stop.is_set():
+        if engine.errored:
+            log.error("the vLLM engine died; exiting so that the worker is restarted")
+            return 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+    return 0

@@ -1,0 +1,86 @@
+"""Prefill core: compute a prompt, keep its KV blocks pinned, return where to pull them.
+
+The engine runs the prompt with ``max_tokens=1`` and ``do_remote_decode``; the connector pins
+the blocks under a lease and returns the hand-off. ``abort`` of a request that already
+finished unpins its blocks at once instead of waiting for the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kv_transfer.client import release
+from pdserve.worker.errors import InvalidRequest, WorkerError
+from pdserve.worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillResult:
+    kv_transfer_params: dict[str, Any]
+    first_token_id: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillService(WorkerService):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.pinned: dict[str, tuple[str, float]] = {}  # request id -> (engine id, expiry)
+
+    async def prefill(self, request_id: str, token_ids: list[int]) -> PrefillResult:
+        from vllm import SamplingParams, TokensPrompt
+
+        self.check_alive()
+        if not token_ids:
+            raise InvalidRequest("prompt_token_ids is empty")
+        if len(token_ids) >= self.info.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {len(token_ids)} tokens; the model's context is "
+                f"{self.info.max_model_len} tokens"
+            )
+        params = SamplingParams(
+            max_tokens=1,
+            detokenize=False,
+            extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+        )
+        final = None
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        async for output in self.engine.generate(prompt, params, request_id):
+            final = output
+        if final is None or not final.kv_transfer_params:
+            raise WorkerError("the prefill engine returned no KV hand-off")
+        handoff = dict(final.kv_transfer_params)
+        self._remember(request_id, str(handoff.get("remote_request_id", "")))
+        tokens = final.outputs[0].token_ids if final.outputs else []
+        return PrefillResult(
+            kv_transfer_params=handoff,
+            first_token_id=int(tokens[0]) if tokens else 0,
+            prompt_tokens=len(token_ids),
+            cached_tokens=int(final.num_cached_tokens or 0),
+        )
+
+    def _remember(self, request_id: str, engine_request_id: str) -> None:
+        now = time.monotonic()
+        for key, (_, expiry) in list(self.pinned.items()):
+            if expiry < now:
+                del self.pinned[key]
+        self.pinned[request_id] = (engine_request_id, now + self.settings.kv_lease_s)
+
+    async def abort(self, request_id: str) -> bool:
+        pinned = self.pinned.pop(request_id, None)
+        if pinned is None:
+            await self.engine.abort(request_id)
+            return False
+        host = self.settings.kv_bind_host or self.settings.host
+        host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+        try:
+            return await asyncio.to_thread(release, host, self.settings.kv_port, pinned[0])
+        except OSError as exc:
+            log.warning("could not unpin %s: %s (its lease will)", request_id, exc)
+            return False
