@@ -20,7 +20,7 @@ from typing import Any
 from kv_transfer.agent import AgentConfig, Reporter
 from kv_transfer.client import release
 from kv_transfer.errors import KVTransferError
-from kv_transfer.wire import recv_frame, recv_into_exact, send_frame, tune
+from kv_transfer.wire import recv_frame, recv_views, send_frame, tune
 
 log = logging.getLogger("kv_transfer.consumer")
 
@@ -33,6 +33,7 @@ class Consumer:
         self.port = 0
         self.pool = ThreadPoolExecutor(config.max_parallel, thread_name_prefix="kv-pull")
         self.active: dict[str, socket.socket] = {}
+        self.idle: dict[tuple[str, int], list[socket.socket]] = {}
         self.lock = threading.Lock()
 
     def handle(self, message: dict[str, Any]) -> None:
@@ -48,6 +49,25 @@ class Consumer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            for conns in self.idle.values():
+                for conn in conns:
+                    conn.close()
+            self.idle.clear()
+
+    def _connect(self, peer: tuple[str, int]) -> socket.socket:
+        """An idle connection to the peer, or a new one (pulls reuse connections)."""
+        with self.lock:
+            conns = self.idle.get(peer)
+            if conns:
+                return conns.pop()
+        conn = socket.create_connection(peer, timeout=self.config.io_timeout_s)
+        tune(conn)
+        return conn
+
+    def _keep(self, peer: tuple[str, int], conn: socket.socket) -> None:
+        with self.lock:
+            self.idle.setdefault(peer, []).append(conn)
 
     def _cancel(self, req: str) -> None:
         with self.lock:
@@ -73,20 +93,39 @@ class Consumer:
         req = str(job["req"])
         started = time.perf_counter()
         result: dict[str, Any] = {"op": "done", "req": req, "ok": False}
+        peer = (str(job["host"]), int(job["port"]))
+        conn = None
         try:
-            result["bytes"] = self._pull(job)
+            conn = self._connect(peer)
+            with self.lock:
+                self.active[req] = conn
+            result["bytes"] = self._pull(conn, job)
             result["ok"] = True
         except (OSError, ValueError, KVTransferError) as exc:
-            result["error"] = f"KV pull from {job['host']}:{job['port']} failed: {exc}"
+            result["error"] = f"KV pull from {peer[0]}:{peer[1]} failed: {exc}"
             log.warning("%s", result["error"])
         finally:
             with self.lock:
                 self.active.pop(req, None)
             result["seconds"] = time.perf_counter() - started
             result["blocks"] = len(job["local_blocks"])
+            # The bytes are in the cache: report first, then let the producer unpin.
             self.reporter.send(result)
+        if conn is not None:
+            self._acknowledge(peer, conn, ok=result["ok"])
 
-    def _pull(self, job: dict[str, Any]) -> int:
+    def _acknowledge(self, peer: tuple[str, int], conn: socket.socket, ok: bool) -> None:
+        if not ok:
+            conn.close()  # the producer unpins when the connection drops
+            return
+        try:
+            send_frame(conn, {"op": "ack", "ok": True})
+        except OSError:
+            conn.close()
+            return
+        self._keep(peer, conn)
+
+    def _pull(self, conn: socket.socket, job: dict[str, Any]) -> int:
         layout = self.config.layout
         local = [int(b) for b in job["local_blocks"]]
         remote = [int(b) for b in job["remote_blocks"]]
@@ -94,23 +133,12 @@ class Consumer:
             raise ValueError(f"{len(remote)} remote blocks for {len(local)} local blocks")
         layout.check_blocks(local)
         expected = len(local) * layout.bytes_per_block
-        conn = socket.create_connection(
-            (job["host"], int(job["port"])), timeout=self.config.io_timeout_s
-        )
-        with self.lock:
-            self.active[str(job["req"])] = conn
-        with conn:
-            tune(conn)
-            request = {"op": "pull", "req": job["remote_req"], "blocks": remote}
-            send_frame(conn, {**request, "compat": self.config.compat})
-            header = recv_frame(conn)
-            if not header.get("ok"):
-                raise KVTransferError(str(header.get("error", "refused")))
-            if int(header["nbytes"]) != expected:
-                raise KVTransferError(f"peer offers {header['nbytes']} bytes, want {expected}")
-            got = 0
-            for view in layout.views(self.regions, local):
-                recv_into_exact(conn, view)
-                got += len(view)
-            send_frame(conn, {"op": "ack", "ok": True})
-            return got
+        conn.settimeout(self.config.io_timeout_s)
+        request = {"op": "pull", "req": job["remote_req"], "blocks": remote}
+        send_frame(conn, {**request, "compat": self.config.compat})
+        header = recv_frame(conn)
+        if not header.get("ok"):
+            raise KVTransferError(str(header.get("error", "refused")))
+        if int(header["nbytes"]) != expected:
+            raise KVTransferError(f"peer offers {header['nbytes']} bytes, want {expected}")
+        return recv_views(conn, layout.views(self.regions, local))

@@ -21,7 +21,14 @@ from typing import Any
 from kv_transfer import compat
 from kv_transfer.agent import AgentConfig, Reporter
 from kv_transfer.errors import KVTransferError, UnknownRequest
-from kv_transfer.wire import recv_frame, send_frame, send_views, tune
+from kv_transfer.wire import (
+    ConnectionClosed,
+    encode_frame,
+    recv_frame,
+    send_frame,
+    send_views,
+    tune,
+)
 
 log = logging.getLogger("kv_transfer.producer")
 
@@ -95,20 +102,29 @@ class Producer:
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        """Serve requests on one connection until the peer closes it (pulls reuse it)."""
         with conn:
-            conn.settimeout(self.config.io_timeout_s)
             tune(conn)
             try:
-                request = recv_frame(conn)
-                op = request.get("op")
-                if op == "pull":
-                    self._serve_pull(conn, request)
-                elif op == "release":
-                    send_frame(conn, {"ok": True, "found": self._release(str(request["req"]))})
-                else:
-                    send_frame(conn, {"ok": False, "error": f"unknown operation {op!r}"})
+                while not self.closed:
+                    conn.settimeout(None)  # idle between requests is fine
+                    try:
+                        request = recv_frame(conn)
+                    except ConnectionClosed:
+                        return
+                    conn.settimeout(self.config.io_timeout_s)
+                    self._serve_one(conn, request)
             except (OSError, ValueError) as exc:
                 log.warning("transfer connection failed: %s", exc)
+
+    def _serve_one(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        op = request.get("op")
+        if op == "pull":
+            self._serve_pull(conn, request)
+        elif op == "release":
+            send_frame(conn, {"ok": True, "found": self._release(str(request["req"]))})
+        else:
+            send_frame(conn, {"ok": False, "error": f"unknown operation {op!r}"})
 
     def _release(self, req: str) -> bool:
         with self.cond:
@@ -155,8 +171,10 @@ class Producer:
         started, sent, reason = time.perf_counter(), 0, "error"
         try:
             nbytes = len(blocks) * self.config.layout.bytes_per_block
-            send_frame(conn, {"ok": True, "nbytes": nbytes})
-            sent = send_views(conn, self.config.layout.views(self.regions, blocks))
+            header = memoryview(encode_frame({"ok": True, "nbytes": nbytes}))
+            # One scatter/gather write for header and blocks: the puller wakes up once.
+            views = self.config.layout.views(self.regions, blocks)
+            sent = send_views(conn, [header, *views]) - len(header)
             reason = "sent" if recv_frame(conn).get("ok") else "error"
         finally:
             seconds = time.perf_counter() - started

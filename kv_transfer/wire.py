@@ -20,9 +20,13 @@ class ConnectionClosed(ConnectionError):
     pass
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+def encode_frame(message: dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(encode_frame(message))
 
 
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
@@ -52,23 +56,50 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+# Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
+MAX_IOV = 512
+
+
 def send_views(sock: socket.socket, views: Iterable[memoryview]) -> int:
-    """Send each view in order; returns the bytes sent."""
+    """Send the views in order with scatter/gather writes; returns the bytes sent."""
+    pending = [v.cast("B") for v in views if len(v)]
     total = 0
-    for view in views:
-        sock.sendall(view)
-        total += len(view)
+    while pending:
+        sent = sock.sendmsg(pending[:MAX_IOV])
+        total += sent
+        pending = _advance(pending, sent)
     return total
 
 
+def recv_views(sock: socket.socket, views: Iterable[memoryview]) -> int:
+    """Fill the views in order with scatter/gather reads; returns the bytes received."""
+    pending = [v.cast("B") for v in views if len(v)]
+    total = 0
+    while pending:
+        got = sock.recvmsg_into(pending[:MAX_IOV])[0]
+        if got == 0:
+            raise ConnectionClosed(f"peer closed the connection after {total} bytes")
+        total += got
+        pending = _advance(pending, got)
+    return total
+
+
+def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """Drop the first ``nbytes`` from a list of views."""
+    index = 0
+    while nbytes and nbytes >= len(views[index]):
+        nbytes -= len(views[index])
+        index += 1
+    rest = views[index:]
+    if nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest
+
+
 def tune(sock: socket.socket) -> None:
-    """Socket options for bulk transfer: no Nagle delay, large kernel buffers."""
+    """No Nagle delay on the small control frames. Buffer sizes are left to the kernel:
+    setting SO_SNDBUF/SO_RCVBUF would turn off TCP autotuning, which grows them further."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
-        except OSError:
-            pass  # the kernel caps it; the default still works
 
 
 class LineChannel:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +17,12 @@ from typing import Any
 import torch
 
 from kv_transfer.agent import AgentConfig
-from kv_transfer.errors import KVTransferError, UnsupportedKVCache
+from kv_transfer.errors import UnsupportedKVCache
+from kv_transfer.handle import AgentHandle
 from kv_transfer.layout import LayerSpan, Layout
 from kv_transfer.metadata import StepMetadata, TransferReport
-from kv_transfer.wire import LineChannel
 
 log = logging.getLogger(__name__)
-
-AGENT_START_TIMEOUT_S = 60.0
 
 
 def share_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[Layout, list[int]]:
@@ -63,45 +58,6 @@ def share_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[Layout, list[in
         )
     layout = Layout(region_sizes=tuple(sizes), layers=tuple(spans), num_blocks=num_blocks or 0)
     return layout, fds
-
-
-@dataclass
-class AgentHandle:
-    """The running transfer process and its control channel."""
-
-    process: subprocess.Popen[bytes]
-    channel: LineChannel
-    port: int
-
-    @classmethod
-    def start(cls, config: AgentConfig) -> AgentHandle:
-        ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "kv_transfer.agent", "--ctrl-fd", str(theirs.fileno())]
-        process = subprocess.Popen(
-            cmd, pass_fds=[theirs.fileno(), *config.region_fds], stdin=subprocess.DEVNULL
-        )
-        theirs.close()
-        for fd in config.region_fds:
-            os.close(fd)
-        channel = LineChannel(ours)
-        channel.send({"op": "config", "config": config.to_json()})
-        ours.settimeout(AGENT_START_TIMEOUT_S)
-        ready = channel.recv()
-        ours.settimeout(None)
-        if not ready or ready.get("op") != "ready":
-            process.kill()
-            raise KVTransferError(
-                f"KV transfer process did not start (exit code {process.poll()}); "
-                f"is port {config.port} free?"
-            )
-        return cls(process, channel, int(ready["port"]))
-
-    def stop(self) -> None:
-        try:
-            self.channel.send({"op": "stop"})
-            self.process.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
 
 
 @dataclass

@@ -52,12 +52,13 @@ class GrpcServer:
         )
         self.port = 0
 
-    async def start(self) -> int:
+    async def start(self, serving: bool = True) -> int:
+        """Bind and start; health reports ``serving`` from the first request on."""
+        await self.set_serving(serving)
         self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {self.address}")
         await self.server.start()
-        await self.set_serving(True)
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

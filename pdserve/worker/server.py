@@ -101,8 +101,7 @@ async def serve(
 
     model = resolve_model(settings.model or None)
     server = GrpcServer(settings.host, settings.port, [register], [service_name])
-    await server.start()
-    await server.set_serving(False)
+    await server.start(serving=False)  # NOT_SERVING until the engine has loaded
     log.info("%s listening on %s:%d, loading %s", settings.name, settings.host, server.port, model)
     stop = stop_event_on_signals()
     engine = start_engine(settings, model)
