@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kv_transfer.agent import AgentConfig
 from kv_transfer.handle import AgentHandle
@@ -69,14 +70,11 @@ def make_region(geo: Geometry, total_blocks: int, seed: int) -> tuple[int, mmap.
     return fd, memory, Layout((size,), spans, total_blocks)
 
 
-def start_agent(role: str, fd: int, layout: Layout, port: int = 0) -> AgentHandle:
+def start_agent(role: str, fd: int, layout: Layout, **settings: Any) -> AgentHandle:
+    """A real transfer process over the region ``fd`` (settings as in ``AgentConfig``)."""
+    settings.setdefault("compat", {"bench": "1"})
     config = AgentConfig(
-        role=role,
-        layout=layout,
-        region_fds=(os.dup(fd),),
-        compat={"bench": "1"},
-        bind_host="127.0.0.1",
-        port=port,
+        role=role, layout=layout, region_fds=(os.dup(fd),), bind_host="127.0.0.1", **settings
     )
     return AgentHandle.start(config)
 

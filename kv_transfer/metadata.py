@@ -22,6 +22,9 @@ class PullJob:
     remote_req_id: str
     remote_blocks: list[int]
     local_blocks: list[int]
+    # Set when the scheduler already knows the pull cannot work; the worker then reports
+    # the request as a failed receive without contacting anyone.
+    error: str = ""
 
 
 @dataclass

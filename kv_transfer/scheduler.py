@@ -103,21 +103,26 @@ class ConsumerScheduler:
             return
         local = blocks.get_unhashed_block_ids()
         cached = sum(1 for b in blocks.blocks[0] if b.block_hash is not None)
-        remote = [int(b) for b in params["remote_block_ids"]][cached : cached + len(local)]
+        offered = [int(b) for b in params["remote_block_ids"]]
+        remote = offered[cached : cached + len(local)]
+        error = ""
         if len(remote) != len(local):
-            raise ValueError(
+            # Never raise here: it would take the whole engine down. Fail this request only.
+            error = (
                 f"decode needs {len(local)} blocks after {cached} cached ones, "
-                f"prefill offers {len(params['remote_block_ids'])}"
+                f"prefill offers {len(offered)}"
             )
-        job = PullJob(
-            request.request_id,
-            params["remote_host"],
-            port,
-            str(params["remote_request_id"]),
-            remote,
-            local,
+        self.to_pull.append(
+            PullJob(
+                request.request_id,
+                params["remote_host"],
+                port,
+                str(params["remote_request_id"]),
+                remote,
+                local,
+                error,
+            )
         )
-        self.to_pull.append(job)
         stats = self.stats.get(request.request_id)
         if stats is not None:
             stats.local_cached_tokens = request.num_prompt_tokens - num_external

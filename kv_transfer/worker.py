@@ -73,6 +73,7 @@ class WorkerSide:
     sent_waiting: set[str] = field(default_factory=set)
     pulling: set[str] = field(default_factory=set)
     report: TransferReport = field(default_factory=TransferReport)
+    failed_now: list[dict[str, Any]] = field(default_factory=list)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
@@ -103,6 +104,11 @@ class WorkerSide:
             self.served.add(req)
             self.agent.channel.send({"op": "serve", "req": req, "blocks": blocks})
         for job in meta.pull:
+            if job.error:
+                self.failed_now.append(
+                    {"op": "done", "req": job.req_id, "ok": False, "error": job.error, "blocks": 0}
+                )
+                continue
             self.pulling.add(job.req_id)
             self.agent.channel.send(
                 {
@@ -133,7 +139,8 @@ class WorkerSide:
         for req in finished_req_ids & self.pulling:
             self.agent.channel.send({"op": "cancel", "req": req})  # aborted while pulling
         recving, failed = set(), set()
-        for message in self.agent.channel.poll():
+        messages, self.failed_now = [*self.failed_now, *self.agent.channel.poll()], []
+        for message in messages:
             req = str(message.get("req"))
             if message.get("op") == "finished":
                 self.sent_waiting.add(req)

@@ -99,12 +99,25 @@ async def serve(
     from pdserve.model import resolve_model
     from pdserve.worker.engine import describe, start_engine
 
-    model = resolve_model(settings.model or None)
+    try:
+        model = resolve_model(settings.model or None)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 1
     server = GrpcServer(settings.host, settings.port, [register], [service_name])
-    await server.start(serving=False)  # NOT_SERVING until the engine has loaded
+    try:
+        await server.start(serving=False)  # NOT_SERVING until the engine has loaded
+    except (OSError, RuntimeError) as exc:
+        log.error("cannot serve gRPC on %s:%d: %s", settings.host, settings.port, exc)
+        return 1
     log.info("%s listening on %s:%d, loading %s", settings.name, settings.host, server.port, model)
     stop = stop_event_on_signals()
-    engine = start_engine(settings, model)
+    try:
+        engine = start_engine(settings, model)
+    except Exception as exc:  # startup policy: any engine failure ends the worker, clearly
+        log.error("the vLLM engine failed to start: %s (its log is above)", exc)
+        await server.stop(0)
+        return 1
     servicer.service = make_service(engine, settings, describe(engine))
     await server.set_serving(True)
     log.info("%s ready (%s)", settings.name, servicer.service.info.kv_connector)

@@ -1,0 +1,315 @@
+"""``pdserve up``: a local cluster (prefill workers, decode workers, gateway), supervised.
+
+Every vLLM engine gets its own GPU (``CUDA_VISIBLE_DEVICES``) or, on a machine without one, its
+own CPU cores (``--cpu-cores``; two engines on one core halve each other's speed, see
+notes/vllm-cpu.md). Starting, readiness, logs and shutdown are pdserve.supervisor's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings
+
+from pdserve import settings as shared
+from pdserve.supervisor import ChildSpec, ReadyCheck, Supervisor, SupervisorOptions
+
+PROBE_RPC_TIMEOUT_S = 1.5
+# Children print as they go, so that a log tail shows the last thing that happened.
+CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
+QUESTION = "What is the capital of France?"
+
+
+class UpSettings(BaseSettings):
+    model_config = shared.base_config("PDSERVE_UP_")
+
+    prefill: int = Field(1, ge=0, description="prefill workers (0: decode workers do prompts)")
+    decode: int = Field(1, ge=1, description="decode workers")
+    model: str = Field("", description="model directory (empty: the prepared default model)")
+    host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
+    http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")
+    grpc_port: int = Field(shared.GATEWAY_GRPC_PORT, description="gateway gRPC port")
+    prefill_port: int = Field(shared.PREFILL_GRPC_PORT, description="gRPC port of prefill-0 (+i)")
+    decode_port: int = Field(shared.DECODE_GRPC_PORT, description="gRPC port of decode-0 (+i)")
+    kv_port: int = Field(shared.PREFILL_KV_PORT, description="KV port of prefill-0 (+i)")
+    prefill_engine_args: str = Field(
+        "", description="vLLM engine arguments of prefill workers (--prefill-engine-args='--x 1')"
+    )
+    decode_engine_args: str = Field("", description="vLLM engine arguments of decode workers")
+    log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
+    startup_timeout_s: float = Field(600.0, gt=0, description="give up if not ready by then")
+    shutdown_grace_s: float = Field(20.0, ge=0, description="SIGTERM to SIGKILL, per stage")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one vLLM engine runs: CPU cores (``--cpu-cores``) or a GPU (``env``)."""
+
+    cpu_cores: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def format_cores(cores: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the form of VLLM_CPU_OMP_THREADS_BIND)."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def assign_cpu_cores(engines: int, cores: Sequence[int]) -> list[str]:
+    """One ``--cpu-cores`` value per engine: ``cores`` split into contiguous shares, or, with
+    more engines than cores, one core each round-robin (then engines share cores)."""
+    ordered = sorted(cores)
+    if engines > len(ordered):
+        return [str(ordered[i % len(ordered)]) for i in range(engines)]
+    share, extra = divmod(len(ordered), engines)
+    values, start = [], 0
+    for i in range(engines):
+        size = share + (1 if i < extra else 0)
+        values.append(format_cores(ordered[start : start + size]))
+        start += size
+    return values
+
+
+def place_engines(
+    engines: int, gpus: Sequence[str], cores: Sequence[int]
+) -> tuple[list[Placement], str | None]:
+    """A placement per engine (GPUs round-robin if any, else CPU cores) and a warning if shared."""
+    if gpus:
+        placements = [
+            Placement(env={"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}) for i in range(engines)
+        ]
+        shared_what = f"{len(gpus)} GPU(s)" if engines > len(gpus) else None
+    else:
+        placements = [Placement(cpu_cores=c) for c in assign_cpu_cores(engines, cores)]
+        shared_what = f"{len(cores)} CPU core(s)" if engines > len(cores) else None
+    warning = f"warning: {engines} engines share {shared_what}" if shared_what else None
+    return placements, warning
+
+
+def parse_gpu_list(text: str) -> list[str]:
+    """GPU indices from ``nvidia-smi -L`` output (``GPU 0: NVIDIA H100 (UUID: ...)``)."""
+    return re.findall(r"^GPU (\d+):", text, flags=re.MULTILINE)
+
+
+def detect_gpus() -> list[str]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        done = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return parse_gpu_list(done.stdout) if done.returncode == 0 else []
+
+
+def usable_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def grpc_serving(address: str) -> ReadyCheck:
+    """Ready once grpc.health.v1 ``Check(service="")`` answers SERVING."""
+
+    async def check() -> bool:
+        # The worker is on this machine: never go through an http_proxy from the environment.
+        options = [("grpc.enable_http_proxy", 0)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="")
+            try:
+                reply = await stub.Check(request, timeout=PROBE_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return check
+
+
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str, expect: dict[str, int] | None = None) -> ReadyCheck:
+    """Ready once ``GET url`` answers 200 (and its JSON body has at least ``expect``)."""
+
+    def get() -> bool:
+        try:
+            with _NO_PROXY_OPENER.open(url, timeout=PROBE_RPC_TIMEOUT_S) as reply:
+                if reply.status != 200:
+                    return False
+                body = json.loads(reply.read() or b"{}") if expect else {}
+        except (OSError, http.client.HTTPException, ValueError):  # refused, reset, bad body
+            return False
+        return all(int(body.get(key, 0)) >= n for key, n in (expect or {}).items())
+
+    async def check() -> bool:
+        return await asyncio.to_thread(get)
+
+    return check
+
+
+def client_host(host: str) -> str:
+    """The address a local client uses for a server listening on ``host``."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def served_model_name(model: str) -> str:
+    return Path(model.rstrip("/")).name if model else shared.DEFAULT_MODEL_NAME
+
+
+def _pdserve(*args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "pdserve", *args)
+
+
+def _engine_flags(s: UpSettings, placement: Placement, engine_args: str) -> list[str]:
+    flags = ["--model", s.model] if s.model else []
+    if placement.cpu_cores is not None:
+        flags += ["--cpu-cores", placement.cpu_cores]
+    if engine_args:  # "=": a separate value starting with "--" would be read as a flag
+        flags.append(f"--engine-args={engine_args}")
+    return flags
+
+
+def worker_spec(s: UpSettings, role: str, index: int, placement: Placement) -> ChildSpec:
+    """``role`` is "prefill" or "decode"; worker ``i`` takes port base + ``i``."""
+    name = f"{role}-{index}"
+    if role == "prefill":
+        port, engine_args = s.prefill_port + index, s.prefill_engine_args
+        kv_flags = ["--kv-port", str(s.kv_port + index)]
+    else:
+        port, engine_args, kv_flags = s.decode_port + index, s.decode_engine_args, []
+    flags = ["--worker-id", name, "--port", str(port), *kv_flags]
+    argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
+    env = {**CHILD_ENV, **placement.env}
+    return ChildSpec(name, argv, env, grpc_serving(f"127.0.0.1:{port}"), stop_stage=1)
+
+
+def gateway_spec(s: UpSettings) -> ChildSpec:
+    prefill = [f"127.0.0.1:{s.prefill_port + i}" for i in range(s.prefill)]
+    decode = [f"127.0.0.1:{s.decode_port + i}" for i in range(s.decode)]
+    argv = _pdserve(
+        "gateway", "--http-host", s.host, "--http-port", str(s.http_port),
+        "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
+        # "=": an empty list (no prefill workers) stays an explicit empty value.
+        "--prefill-workers=" + ",".join(prefill), "--decode-workers=" + ",".join(decode),
+    )  # fmt: skip
+    # Ready when the gateway itself sees every worker, so no first request goes local.
+    expect = {"healthy_prefill_workers": s.prefill, "healthy_decode_workers": s.decode}
+    health = http_ok(f"http://{client_host(s.host)}:{s.http_port}/health", expect)
+    return ChildSpec("gateway", argv, CHILD_ENV, health, stop_stage=0)
+
+
+def build_specs(
+    s: UpSettings, gpus: Sequence[str], cores: Sequence[int]
+) -> tuple[list[ChildSpec], str | None]:
+    """Workers first, then the gateway (stopped first: stop_stage 0); and a sharing warning."""
+    placements, warning = place_engines(s.prefill + s.decode, gpus, cores)
+    specs = [worker_spec(s, "prefill", i, placements[i]) for i in range(s.prefill)]
+    specs += [worker_spec(s, "decode", i, placements[s.prefill + i]) for i in range(s.decode)]
+    return [*specs, gateway_spec(s)], warning
+
+
+def busy_ports(s: UpSettings) -> list[int]:
+    """Ports of the cluster that something already listens on (e.g. a previous ``up``)."""
+    wanted = [(s.host, s.http_port), (s.host, s.grpc_port)]
+    wanted += [("127.0.0.1", s.prefill_port + i) for i in range(s.prefill)]
+    wanted += [("127.0.0.1", s.kv_port + i) for i in range(s.prefill)]
+    wanted += [("127.0.0.1", s.decode_port + i) for i in range(s.decode)]
+    busy = []
+    for host, port in wanted:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # As servers do: a port held only by TIME_WAIT connections is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def _python_command() -> str:
+    """This interpreter (it has the openai package), relative to the current directory if inside."""
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
+
+
+def ready_banner(s: UpSettings, log_dir: Path) -> str:
+    host, name = client_host(s.host), served_model_name(s.model)
+    base = f"http://{host}:{s.http_port}"
+    message = {"role": "user", "content": QUESTION}
+    body = json.dumps({"model": name, "messages": [message], "max_tokens": 32})
+    curl = (
+        f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(body)}"
+    )
+    code = (
+        f'from openai import OpenAI; c = OpenAI(base_url="{base}/v1", api_key="none"); '
+        f"print(c.chat.completions.create(model={json.dumps(name)}, "
+        f'messages=[{{"role": "user", "content": {json.dumps(QUESTION)}}}], max_tokens=32)'
+        ".choices[0].message.content)"
+    )
+    return "\n".join(
+        [
+            f"pdserve is up: {s.prefill} prefill + {s.decode} decode worker(s), model {name}",
+            f"  OpenAI API   {base}/v1   (health {base}/health, metrics {base}/metrics)",
+            f"  gRPC         {host}:{s.grpc_port}",
+            f"  logs         {log_dir}",
+            "Try it:",
+            f"  {curl}",
+            f"  {shlex.quote(_python_command())} -c {shlex.quote(code)}",
+            "Press Ctrl-C to stop (twice to kill at once).",
+        ]
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shared.cli_args(parser, UpSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        s = shared.from_args(UpSettings, args)
+    except ValidationError as exc:
+        print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    busy = busy_ports(s)
+    if busy:
+        ports = ", ".join(map(str, busy))
+        print(f"pdserve up: port(s) {ports} in use (another pdserve up?)", file=sys.stderr)
+        return 1
+    specs, warning = build_specs(s, detect_gpus(), usable_cores())
+    if warning:
+        print(warning, flush=True)
+    log_dir = Path(s.log_dir).resolve()
+    print(f"pdserve up: logs in {log_dir}", flush=True)
+    options = SupervisorOptions(
+        log_dir=log_dir, startup_timeout_s=s.startup_timeout_s, grace_s=s.shutdown_grace_s
+    )
+    banner = ready_banner(s, log_dir)
+    supervisor = Supervisor(specs, options, on_ready=lambda: print(banner, flush=True))
+    return asyncio.run(supervisor.run())

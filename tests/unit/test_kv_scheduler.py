@@ -1,0 +1,149 @@
+"""Scheduler halves of the connector, driven with minimal stand-ins for vLLM's objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from kv_transfer.metadata import TransferReport
+from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    status: Any = None
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    block_hash: int | None = None
+
+
+@dataclass
+class FakeBlocks:
+    blocks: tuple[list[FakeBlock], ...] = field(default_factory=tuple)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+
+def handoff(blocks: list[int]) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_block_ids": blocks,
+        "remote_request_id": "p-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 15100,
+    }
+
+
+def test_producer_pins_finished_prompts_and_queues_them_for_serving() -> None:
+    from vllm.v1.request import RequestStatus
+
+    producer = ProducerScheduler(Endpoint("prefill-0", "10.0.0.1", 15100))
+    request = FakeRequest(
+        "r-1", 300, {"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED
+    )
+    delay, params = producer.request_finished(request, [3, 4, 8])
+    assert delay is True and params is not None
+    assert params["remote_block_ids"] == [3, 4, 8] and params["remote_request_id"] == "r-1"
+    assert (params["remote_host"], params["remote_port"]) == ("10.0.0.1", 15100)
+    assert producer.build_meta(None).serve == {"r-1": [3, 4, 8]}
+    assert producer.build_meta(None).serve == {}  # each job is sent once
+
+
+def test_producer_does_not_pin_aborted_or_plain_requests() -> None:
+    from vllm.v1.request import RequestStatus
+
+    producer = ProducerScheduler(Endpoint("p", "h", 1))
+    aborted = FakeRequest("a", 10, {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED)
+    assert producer.request_finished(aborted, [1]) == (False, None)
+    plain = FakeRequest("b", 10, None, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert producer.request_finished(plain, [1]) == (False, None)
+
+
+def test_consumer_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-1", 300, handoff([10, 11, 12]))
+    consumer.on_new_request(request)
+    # the first block is a local prefix hit: 172 tokens to load, asynchronously
+    assert consumer.get_num_new_matched_tokens(request, 128) == (172, True)
+    assert consumer.get_num_new_matched_tokens(request, 128) == (172, True)  # no side effects
+    blocks = FakeBlocks(([FakeBlock(0, block_hash=99), FakeBlock(5), FakeBlock(6)],))
+    consumer.update_state_after_alloc(request, blocks, 172)
+    meta = consumer.build_meta(
+        SimpleNamespace(
+            num_scheduled_tokens={},
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        )
+    )
+    assert len(meta.pull) == 1
+    job = meta.pull[0]
+    assert (job.remote_blocks, job.local_blocks) == ([11, 12], [5, 6])
+    # exactly one transfer per request: a second allocation pass changes nothing
+    consumer.update_state_after_alloc(request, blocks, 0)
+    assert consumer.build_meta(meta_output()).pull == [] and consumer.to_release == []
+
+
+def meta_output(scheduled: dict[str, int] | None = None, new: list[Any] | None = None) -> Any:
+    return SimpleNamespace(
+        num_scheduled_tokens=scheduled or {},
+        scheduled_new_reqs=new or [],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    )
+
+
+def test_consumer_releases_the_prefill_blocks_when_it_needs_none() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-2", 100, handoff([3]))
+    consumer.update_state_after_alloc(request, FakeBlocks(([],)), 0)
+    meta = consumer.build_meta(meta_output())
+    assert [(r.host, r.port, r.remote_req_id) for r in meta.release] == [
+        ("127.0.0.1", 15100, "p-1")
+    ]
+
+
+def test_consumer_reports_what_the_engine_computed_and_received() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-3", 200, handoff([1, 2]))
+    consumer.on_new_request(request)
+    consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(7), FakeBlock(8)],)), 200)
+    consumer.build_meta(meta_output())
+    report = TransferReport({"d-3": {"ok": True, "bytes": 4096, "blocks": 2, "seconds": 0.01}})
+    consumer.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    # after the load vLLM schedules the last prompt token, then decodes
+    new = [SimpleNamespace(req_id="d-3", num_computed_tokens=199)]
+    consumer.build_meta(meta_output({"d-3": 1}, new))
+    _, params = consumer.request_finished(request)
+    assert params is not None
+    stats = params["pdserve"]
+    assert stats["prompt_computed"] == 1 and stats["received_tokens"] == 200
+    assert stats["received_bytes"] == 4096 and stats["received_blocks"] == 2
+    assert stats["transfer_error"] == ""
+
+
+def test_a_failed_pull_is_reported_with_its_error() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-4", 50, handoff([1]))
+    consumer.on_new_request(request)
+    consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(3)],)), 50)
+    report = TransferReport({"d-4": {"ok": False, "error": "peer closed", "blocks": 1}})
+    consumer.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    _, params = consumer.request_finished(request)
+    assert params is not None
+    assert params["pdserve"]["transfer_error"] == "peer closed"
+    assert params["pdserve"]["received_tokens"] == 0
+
+
+def test_a_hand_off_with_too_few_blocks_fails_only_that_request() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-5", 300, handoff([1]))
+    consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(4), FakeBlock(5)],)), 300)
+    (job,) = consumer.build_meta(meta_output()).pull
+    assert "prefill offers 1" in job.error
