@@ -1,0 +1,210 @@
+"""pdserve up: settings, engine placement, the children's command lines, the ready banner."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pdserve import settings as shared
+from pdserve.cli import build_parser
+from pdserve.up import (
+    UpSettings,
+    add_arguments,
+    assign_cpu_cores,
+    build_specs,
+    format_cores,
+    parse_gpu_list,
+    place_engines,
+    ready_banner,
+    run,
+    served_model_name,
+)
+
+PY = (sys.executable, "-m", "pdserve")
+
+
+def parse(*argv: str) -> UpSettings:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return shared.from_args(UpSettings, parser.parse_args(argv))
+
+
+def test_format_cores() -> None:
+    assert format_cores([0]) == "0"
+    assert format_cores([3, 0, 1, 2, 5, 7, 8]) == "0-3,5,7-8"
+
+
+@pytest.mark.parametrize(
+    ("engines", "cores", "expected"),
+    [
+        (2, [0, 1], ["0", "1"]),  # the 2-core machine: one core per engine
+        (1, [0, 1], ["0-1"]),
+        (2, [0, 1, 2, 3], ["0-1", "2-3"]),
+        (3, list(range(7)), ["0-2", "3-4", "5-6"]),
+        (2, [2, 4, 6, 8], ["2,4", "6,8"]),  # affinity with holes
+        (3, [0, 1], ["0", "1", "0"]),  # more engines than cores: round-robin
+        (5, [4], ["4"] * 5),
+    ],
+)
+def test_assign_cpu_cores(engines: int, cores: list[int], expected: list[str]) -> None:
+    assert assign_cpu_cores(engines, cores) == expected
+
+
+def test_place_engines_warns_only_when_sharing() -> None:
+    placements, warning = place_engines(2, [], [0, 1])
+    assert [p.cpu_cores for p in placements] == ["0", "1"] and warning is None
+    assert all(not p.env for p in placements)
+    _, warning = place_engines(3, [], [0, 1])
+    assert warning == "warning: 3 engines share 2 CPU core(s)"
+
+
+def test_place_engines_on_gpus_uses_cuda_visible_devices_and_no_cores() -> None:
+    placements, warning = place_engines(3, ["0", "1"], [0, 1, 2, 3])
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placements] == ["0", "1", "0"]
+    assert all(p.cpu_cores is None for p in placements)
+    assert warning == "warning: 3 engines share 2 GPU(s)"
+
+
+def test_parse_gpu_list_ignores_mig_lines() -> None:
+    text = (
+        "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1234)\n"
+        "  MIG 1g.10gb     Device  0: (UUID: MIG-5678)\n"
+        "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-9abc)\n"
+    )
+    assert parse_gpu_list(text) == ["0", "1"]
+    assert parse_gpu_list("No devices were found\n") == []
+
+
+def test_default_command_lines_on_two_cpu_cores() -> None:
+    specs, warning = build_specs(parse(), gpus=[], cores=[0, 1])
+    assert warning is None
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "gateway"]
+    prefill, decode, gateway = specs
+    assert prefill.argv == (
+        *PY, "prefill", "--worker-id", "prefill-0", "--port", "50100", "--kv-port", "15100",
+        "--cpu-cores", "0",
+    )  # fmt: skip
+    assert decode.argv == (
+        *PY, "decode", "--worker-id", "decode-0", "--port", "50200", "--cpu-cores", "1",
+    )  # fmt: skip
+    assert gateway.argv == (
+        *PY, "gateway", "--http-host", "127.0.0.1", "--http-port", "8000", "--grpc-port", "50051",
+        "--prefill-workers=127.0.0.1:50100", "--decode-workers=127.0.0.1:50200",
+    )  # fmt: skip
+    assert gateway.stop_stage < prefill.stop_stage == decode.stop_stage, "gateway stops first"
+    assert all(s.ready_check is not None for s in specs)
+
+
+def test_command_lines_with_model_engine_args_and_more_workers() -> None:
+    s = parse(
+        "--prefill", "2", "--decode", "2", "--model", "models/tiny",
+        "--prefill-engine-args=--enforce-eager", "--decode-engine-args", "--max-model-len 512",
+        "--http-port", "8100", "--grpc-port", "50061",
+    )  # fmt: skip
+    specs, warning = build_specs(s, gpus=[], cores=[0, 1])
+    assert warning == "warning: 4 engines share 2 CPU core(s)"
+    by_name = {spec.name: spec.argv for spec in specs}
+    assert by_name["prefill-1"][3:] == (
+        "prefill", "--worker-id", "prefill-1", "--port", "50101", "--kv-port", "15101",
+        "--model", "models/tiny", "--cpu-cores", "1", "--engine-args=--enforce-eager",
+    )  # fmt: skip
+    assert by_name["decode-1"][3:] == (
+        "decode", "--worker-id", "decode-1", "--port", "50201", "--model", "models/tiny",
+        "--cpu-cores", "1", "--engine-args=--max-model-len 512",
+    )  # fmt: skip
+    assert by_name["gateway"][3:] == (
+        "gateway", "--http-host", "127.0.0.1", "--http-port", "8100", "--grpc-port", "50061",
+        "--model", "models/tiny",
+        "--prefill-workers=127.0.0.1:50100,127.0.0.1:50101",
+        "--decode-workers=127.0.0.1:50200,127.0.0.1:50201",
+    )  # fmt: skip
+
+
+def test_no_prefill_workers_gives_the_gateway_an_empty_list() -> None:
+    specs, _ = build_specs(parse("--prefill", "0"), gpus=["0"], cores=[0])
+    assert [s.name for s in specs] == ["decode-0", "gateway"]
+    assert "--prefill-workers=" in specs[-1].argv
+    assert specs[0].env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "--cpu-cores" not in specs[0].argv
+
+
+def test_settings_from_env_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_UP_DECODE", "3")
+    monkeypatch.setenv("PDSERVE_UP_PREFILL", "0")
+    s = parse("--prefill", "2")
+    assert (s.prefill, s.decode) == (2, 3), "flags override env"
+    assert s.log_dir == ".pdserve/logs" and s.startup_timeout_s == 600 and s.shutdown_grace_s == 20
+    with pytest.raises(ValidationError):
+        parse("--decode", "0")
+    with pytest.raises(ValidationError):
+        parse("--prefill", "-1")
+
+
+def test_run_rejects_invalid_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argparse.Namespace(decode=0)) == 2
+    assert "invalid settings" in capsys.readouterr().err
+
+
+def test_run_refuses_ports_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert run(argparse.Namespace(http_port=port)) == 1
+    err = capsys.readouterr().err  # other default ports may be busy too (a running cluster)
+    assert f"port(s) {port}" in err and "in use" in err
+
+
+def test_served_model_name() -> None:
+    assert served_model_name("") == shared.DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    assert served_model_name("/models/Qwen3-0.6B/") == "Qwen3-0.6B"
+
+
+def test_ready_banner_has_a_runnable_curl_line() -> None:
+    banner = ready_banner(parse(), Path("logs"))
+    expected = (
+        "curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' "
+        """-d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": """
+        """"What is the capital of France?"}], "max_tokens": 32}'"""
+    )
+    assert expected in banner.splitlines()[5]
+    assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in banner
+    assert 'model="SmolLM2-135M-Instruct"' in banner
+
+
+def test_ready_banner_for_all_interfaces_points_clients_to_loopback() -> None:
+    banner = ready_banner(parse("--host", "0.0.0.0", "--model", "m/Tiny"), Path("logs"))
+    assert "http://127.0.0.1:8000/v1" in banner and '"model": "Tiny"' in banner
+
+
+def test_command_lines_parse_with_the_real_subcommands() -> None:
+    """The flags up passes are the ones the worker and gateway commands define."""
+    from decode_service.config import DecodeSettings
+    from gateway.config import GatewaySettings
+    from prefill_service.config import PrefillSettings
+
+    s = parse("--prefill", "0", "--model", "models/tiny", "--decode-engine-args=--enforce-eager")
+    specs, _ = build_specs(s, gpus=[], cores=[0, 1])
+    decode, gateway = specs
+    args = build_parser("decode").parse_args(list(decode.argv[3:]))
+    worker = shared.from_args(DecodeSettings, args)
+    assert (worker.name, worker.port, worker.cpu_cores) == ("decode-0", 50200, "0-1")
+    assert worker.engine_args == "--enforce-eager" and worker.model == "models/tiny"
+    args = build_parser("gateway").parse_args(list(gateway.argv[3:]))
+    settings = shared.from_args(GatewaySettings, args)
+    assert settings.prefill_workers == [] and settings.decode_workers == ["127.0.0.1:50200"]
+    assert (settings.http_host, settings.http_port, settings.grpc_port) == (
+        "127.0.0.1",
+        8000,
+        50051,
+    )
+
+    specs, _ = build_specs(parse(), gpus=[], cores=[0, 1])
+    args = build_parser("prefill").parse_args(list(specs[0].argv[3:]))
+    prefill = shared.from_args(PrefillSettings, args)
+    assert (prefill.name, prefill.port, prefill.kv_port) == ("prefill-0", 50100, 15100)
