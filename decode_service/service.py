@@ -80,17 +80,18 @@ class DecodeService(WorkerService):
             raise
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         generated = 0
-        async for output in self.engine.generate(prompt, sampling, request_id):
-            completion = output.outputs[0]
-            generated += len(completion.token_ids)
-            event = DecodeEvent(
-                token_ids=list(completion.token_ids),
-                text=completion.text,
-                logprobs=_logprobs(completion, 0),
-            )
-            if output.finished:
-                self._finish(event, output, len(token_ids), generated)
-            yield event
+        with self.counted():
+            async for output in self.engine.generate(prompt, sampling, request_id):
+                completion = output.outputs[0]
+                generated += len(completion.token_ids)
+                event = DecodeEvent(
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    logprobs=_logprobs(completion, 0),
+                )
+                if output.finished:
+                    self._finish(event, output, len(token_ids), generated)
+                yield event
 
     def _finish(self, event: DecodeEvent, output: Any, prompt_len: int, generated: int) -> None:
         completion = output.outputs[0]

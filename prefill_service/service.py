@@ -51,8 +51,9 @@ class PrefillService(WorkerService):
         )
         final = None
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
-        async for output in self.engine.generate(prompt, params, request_id):
-            final = output
+        with self.counted():
+            async for output in self.engine.generate(prompt, params, request_id):
+                final = output
         if final is None or not final.kv_transfer_params:
             raise WorkerError("the prefill engine returned no KV hand-off")
         handoff = dict(final.kv_transfer_params)

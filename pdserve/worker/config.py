@@ -19,8 +19,13 @@ class WorkerSettings(BaseSettings):
     kv_connector: Literal["pdserve", "nixl"] = Field(
         "pdserve", description="KV connector: pdserve (TCP, CPU KV caches) or nixl (GPU/RDMA)"
     )
-    kv_host: str = Field(
-        "", description="address other workers use to reach this worker's KV port (default: host)"
+    advertise_host: str = Field(
+        "",
+        description="address the gateway and other workers use to reach this worker's gRPC and "
+        "KV ports (default: host; set it to the pod IP when host is 0.0.0.0)",
+    )
+    redis_url: str = Field(
+        "", description="Redis for the worker registry and prefix index (empty: none)"
     )
     kv_bind_host: str = Field("", description="KV transfer bind address (default: host)")
     kv_port: int = Field(PREFILL_KV_PORT, description="KV transfer port of a prefill worker")
@@ -41,6 +46,13 @@ class WorkerSettings(BaseSettings):
     )
     shutdown_grace_s: float = Field(10.0, description="seconds to finish requests on shutdown")
     log_level: str = Field("INFO", description="log level")
+
+    @property
+    def reachable_host(self) -> str:
+        """The address others use to reach this worker."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
 
     @property
     def name(self) -> str:

@@ -57,7 +57,7 @@ def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
         engine_id=engine_id,
         kv_load_failure_policy=settings.kv_load_failure_policy,
         kv_connector_extra_config={
-            "kv_host": settings.kv_host or settings.host,
+            "kv_host": settings.reachable_host,
             "kv_bind_host": settings.kv_bind_host or settings.host,
             "kv_port": settings.kv_port,
             "lease_s": settings.kv_lease_s,
@@ -65,7 +65,9 @@ def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
     )
 
 
-def engine_args(settings: WorkerSettings, model: str) -> Any:
+def engine_args(
+    settings: WorkerSettings, model: str, kv_events: dict[str, Any] | None = None
+) -> Any:
     """vLLM AsyncEngineArgs from pdserve defaults + the user's engine arguments."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -79,6 +81,10 @@ def engine_args(settings: WorkerSettings, model: str) -> Any:
     argv = ["--model", model, "--served-model-name", served, *defaults, *user]
     args = AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
     args.kv_transfer_config = kv_transfer_config(settings, engine_id=settings.name)
+    if kv_events is not None:
+        from vllm.config import KVEventsConfig
+
+        args.kv_events_config = KVEventsConfig(**kv_events)
     return args
 
 
@@ -117,11 +123,16 @@ def describe(engine: Any) -> EngineInfo:
     )
 
 
-def start_engine(settings: WorkerSettings, model: str) -> Any:
+def start_engine(
+    settings: WorkerSettings,
+    model: str,
+    kv_events: dict[str, Any] | None = None,
+    stat_loggers: list[Any] | None = None,
+) -> Any:
     """Start the vLLM AsyncLLM (spawns its engine-core and worker processes)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     apply_environment(settings)
-    args = engine_args(settings, model)
+    args = engine_args(settings, model, kv_events)
     log.info("starting vLLM engine for %s (%s)", model, settings.role)
-    return AsyncLLM.from_engine_args(args)
+    return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)

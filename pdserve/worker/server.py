@@ -85,6 +85,12 @@ class ServicerBase:
             kv_connector=info.kv_connector,
             kv_compat=info.kv_compat,
             version=__version__,
+            load=worker_pb2.WorkerLoad(
+                running=service.load.running,
+                waiting=service.load.waiting,
+                kv_usage=service.load.kv_usage,
+                in_flight=service.load.in_flight,
+            ),
         )
 
 
@@ -98,6 +104,7 @@ async def serve(
     """Run one worker until SIGINT/SIGTERM or engine death; returns the exit code."""
     from pdserve.model import resolve_model
     from pdserve.worker.engine import describe, start_engine
+    from pdserve.worker.registration import IndexLink, Load, stat_logger_for
 
     try:
         model = resolve_model(settings.model or None)
@@ -112,17 +119,27 @@ async def serve(
         return 1
     log.info("%s listening on %s:%d, loading %s", settings.name, settings.host, server.port, model)
     stop = stop_event_on_signals()
+    load = Load()
+    link = IndexLink(settings, load) if settings.redis_url else None
     try:
-        engine = start_engine(settings, model)
+        engine = start_engine(
+            settings, model, kv_events=link.kv_events_config() if link else None,
+            stat_loggers=[stat_logger_for(load)],
+        )  # fmt: skip
     except Exception as exc:  # startup policy: any engine failure ends the worker, clearly
         log.error("the vLLM engine failed to start: %s (its log is above)", exc)
         await server.stop(0)
         return 1
     servicer.service = make_service(engine, settings, describe(engine))
+    servicer.service.load = load
+    if link is not None:
+        await link.start(servicer.service.info, server.port)
     await server.set_serving(True)
     log.info("%s ready (%s)", settings.name, servicer.service.info.kv_connector)
     code = await _run_until_stopped(engine, stop)
     log.info("%s stopping", settings.name)
+    if link is not None:
+        await link.stop()  # leave the registry first: gateways stop sending new requests
     await server.stop(settings.shutdown_grace_s)
     servicer.service.shutdown()
     return code

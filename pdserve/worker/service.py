@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from pdserve.worker.config import WorkerSettings
@@ -16,9 +18,21 @@ class WorkerService:
     """Owns the engine of one worker. Subclasses add the role's request path."""
 
     def __init__(self, engine: Any, settings: WorkerSettings, info: EngineInfo) -> None:
+        from pdserve.worker.registration import Load
+
         self.engine = engine
         self.settings = settings
         self.info = info
+        self.load = Load()  # replaced by the server with the one the engine's stats fill
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """Counts a request in ``load.in_flight`` while it runs."""
+        self.load.in_flight += 1
+        try:
+            yield
+        finally:
+            self.load.in_flight -= 1
 
     def check_alive(self) -> None:
         if self.engine.errored:

@@ -126,7 +126,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version")
+    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load")
     class KvCompatEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class Capabilities(_message.Message):
     KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     KV_COMPAT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     model: str
@@ -158,4 +159,17 @@ class Capabilities(_message.Message):
     kv_connector: str
     kv_compat: _containers.ScalarMap[str, str]
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ...) -> None: ...
+    load: WorkerLoad
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("running", "waiting", "kv_usage", "in_flight")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_usage: float
+    in_flight: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ...) -> None: ...

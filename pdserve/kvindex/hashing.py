@@ -1,0 +1,30 @@
+"""Block hashes exactly as vLLM computes them with ``--prefix-caching-hash-algo sha256_cbor``.
+
+Each full block of ``block_size`` token ids is hashed together with its parent's hash, so a
+hash names a whole prefix. vLLM seeds the chain with ``sha256_cbor(str(PYTHONHASHSEED))``
+and publishes each hash in KV events as the low 64 bits of the digest (big-endian int);
+the workers' ``hash_seed`` setting and the gateway's must agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import cbor2
+
+MASK_64 = (1 << 64) - 1
+
+
+def _sha256_cbor(obj: object) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: int | str) -> list[int]:
+    """The event-style (64-bit int) hashes of every full block of ``token_ids``."""
+    parent = _sha256_cbor(str(seed))
+    out = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _sha256_cbor((parent, tuple(token_ids[start : start + block_size]), None))
+        out.append(int.from_bytes(parent, "big") & MASK_64)
+    return out

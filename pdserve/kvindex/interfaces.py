@@ -1,0 +1,71 @@
+"""Contracts of the prefix index and the worker registry (implemented in ``redis_store``
+and ``memory``). All methods are coroutines; any may raise ``IndexUnavailable`` when the
+backing store cannot be reached, and callers degrade (route by load only) instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+
+class IndexUnavailable(Exception):
+    """The store behind the index or registry cannot be reached right now."""
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """One engine step's changes to a worker's cached blocks, in order."""
+
+    stored: Sequence[int] = ()
+    removed: Sequence[int] = ()
+    cleared: bool = False  # all of the worker's blocks are gone (applied first)
+
+
+class PrefixIndex(Protocol):
+    async def apply(self, model: str, worker: str, ops: Sequence[BlockOps]) -> None:
+        """Apply the changes atomically: block -> workers and the worker's reverse index."""
+
+    async def clear_worker(self, model: str, worker: str) -> None:
+        """Forget every block of ``worker`` (restart with a new epoch, death, rebuild)."""
+
+    async def longest_prefixes(
+        self, model: str, hashes: Sequence[int], workers: Sequence[str]
+    ) -> dict[str, int]:
+        """For each worker, how many leading ``hashes`` it holds (one round trip)."""
+
+
+@dataclass
+class WorkerRecord:
+    """What a worker announces about itself; ``epoch`` changes on every start."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # gRPC host:port
+    epoch: str
+    model: str  # served model name
+    block_size: int = 0
+    max_model_len: int = 0
+    kv_compat: dict[str, str] = field(default_factory=dict)
+    load: dict[str, float] = field(default_factory=dict)  # running, waiting, kv_usage, ...
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerRecord:
+        data: dict[str, Any] = json.loads(text)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+class WorkerRegistry(Protocol):
+    async def announce(self, record: WorkerRecord, ttl_s: float) -> None:
+        """Register or refresh the worker; it counts as alive for ``ttl_s`` seconds."""
+
+    async def withdraw(self, worker_id: str) -> None:
+        """Remove the worker at once (clean shutdown)."""
+
+    async def alive_workers(self) -> list[WorkerRecord]:
+        """Every worker whose heartbeat has not expired, with its latest record."""

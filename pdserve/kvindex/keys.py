@@ -1,0 +1,30 @@
+"""The Redis key layout, in one place.
+
+``{p}`` is the deployment prefix (default ``pdserve``), ``{ns}`` the model namespace (the
+served model name), so several models can share one Redis.
+
+- ``{p}:workers``                  HASH worker id -> WorkerRecord JSON (registry)
+- ``{p}:alive:{worker}``           STRING epoch, with a TTL refreshed by the heartbeat
+- ``{p}:{ns}:b:{hash}``            SET of worker ids holding the block with that hash
+- ``{p}:{ns}:w:{worker}``          SET of block hashes the worker holds (reverse index)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "pdserve"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def alive(self, worker: str) -> str:
+        return f"{self.prefix}:alive:{worker}"
+
+    def namespace(self, model: str) -> str:
+        """Key prefix of one model's block index (block and reverse keys hang off it)."""
+        return f"{self.prefix}:{model}"

@@ -1,0 +1,146 @@
+"""The prefix index and worker registry on Redis (``redis.asyncio``).
+
+Multi-key updates run as Lua scripts, so a worker's step of events, a worker's clearing and
+a lookup each see and leave a consistent index. Connection failures surface as
+``IndexUnavailable``; the client reconnects by itself on the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
+from pdserve.kvindex.keys import Keys
+
+# ARGV: ns, worker, then ops: "C" 0 | "S" n h1..hn | "R" n h1..hn
+_APPLY = """
+local ns, worker = ARGV[1], ARGV[2]
+local wkey = ns .. ':w:' .. worker
+local i = 3
+while i <= #ARGV do
+  local op, n = ARGV[i], tonumber(ARGV[i + 1])
+  i = i + 2
+  if op == 'C' then
+    for _, h in ipairs(redis.call('SMEMBERS', wkey)) do
+      redis.call('SREM', ns .. ':b:' .. h, worker)
+    end
+    redis.call('DEL', wkey)
+  else
+    for j = i, i + n - 1 do
+      local bkey = ns .. ':b:' .. ARGV[j]
+      if op == 'S' then
+        redis.call('SADD', bkey, worker)
+        redis.call('SADD', wkey, ARGV[j])
+      else
+        redis.call('SREM', bkey, worker)
+        redis.call('SREM', wkey, ARGV[j])
+      end
+    end
+    i = i + n
+  end
+end
+return 1
+"""
+
+# ARGV: ns, n workers, w1..wn, hashes in prefix order -> leading-run length per worker
+_LONGEST = """
+local ns, n = ARGV[1], tonumber(ARGV[2])
+local counts, open, left = {}, {}, n
+for k = 1, n do counts[k] = 0; open[k] = true end
+for i = 3 + n, #ARGV do
+  if left == 0 then break end
+  local bkey = ns .. ':b:' .. ARGV[i]
+  for k = 1, n do
+    if open[k] then
+      if redis.call('SISMEMBER', bkey, ARGV[2 + k]) == 1 then
+        counts[k] = counts[k] + 1
+      else
+        open[k] = false
+        left = left - 1
+      end
+    end
+  end
+end
+return counts
+"""
+
+
+def _encode(ops: Sequence[BlockOps]) -> list[str | int]:
+    args: list[str | int] = []
+    for op in ops:
+        if op.cleared:
+            args += ["C", 0]
+        if op.stored:
+            args += ["S", len(op.stored), *op.stored]
+        if op.removed:
+            args += ["R", len(op.removed), *op.removed]
+    return args
+
+
+class RedisStore:
+    """Both the ``PrefixIndex`` and the ``WorkerRegistry`` over one Redis connection pool."""
+
+    def __init__(self, url: str, prefix: str = "pdserve", timeout_s: float = 2.0) -> None:
+        self.keys = Keys(prefix)
+        self.client = aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._apply = self.client.register_script(_APPLY)
+        self._longest = self.client.register_script(_LONGEST)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except (RedisError, OSError) as exc:
+            raise IndexUnavailable(f"Redis is unavailable: {exc}") from exc
+
+    # ---------------------------------------------------------------- PrefixIndex
+    async def apply(self, model: str, worker: str, ops: Sequence[BlockOps]) -> None:
+        args = _encode(ops)
+        if args:
+            head: list[str | int] = [self.keys.namespace(model), worker]
+            await self._call(self._apply(args=head + args))
+
+    async def clear_worker(self, model: str, worker: str) -> None:
+        await self.apply(model, worker, [BlockOps(cleared=True)])
+
+    async def longest_prefixes(
+        self, model: str, hashes: Sequence[int], workers: Sequence[str]
+    ) -> dict[str, int]:
+        if not workers or not hashes:
+            return dict.fromkeys(workers, 0)
+        args: list[str | int] = [self.keys.namespace(model), len(workers), *workers, *hashes]
+        counts = await self._call(self._longest(args=args))
+        return {w: int(c) for w, c in zip(workers, counts, strict=True)}
+
+    # ------------------------------------------------------------- WorkerRegistry
+    async def announce(self, record: WorkerRecord, ttl_s: float) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.workers, record.worker_id, record.to_json())
+        pipe.set(self.keys.alive(record.worker_id), record.epoch, px=int(ttl_s * 1000))
+        await self._call(pipe.execute())
+
+    async def withdraw(self, worker_id: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(self.keys.workers, worker_id)
+        pipe.delete(self.keys.alive(worker_id))
+        await self._call(pipe.execute())
+
+    async def alive_workers(self) -> list[WorkerRecord]:
+        raw = await self._call(self.client.hgetall(self.keys.workers))
+        records = [WorkerRecord.from_json(v) for v in raw.values()]
+        if not records:
+            return []
+        epochs = await self._call(self.client.mget([self.keys.alive(r.worker_id) for r in records]))
+        return [
+            r
+            for r, epoch in zip(records, epochs, strict=True)
+            if epoch is not None and epoch.decode() == r.epoch
+        ]

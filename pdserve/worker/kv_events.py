@@ -1,0 +1,159 @@
+"""Feeds the prefix index from the worker's own engine: vLLM's KV cache events.
+
+The engine publishes each step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+events on a local ZMQ socket with a sequence number, and keeps the last steps for replay.
+``EventSink`` subscribes, applies every step atomically to the index, and repairs what it
+missed: a sequence gap is filled from the replay buffer; after the index was unreachable,
+the worker's entries are cleared and rebuilt from the whole buffer once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.kvindex.hashing import MASK_64
+from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+TOPIC = b"kv"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_TIMEOUT_MS = 3000
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def events_config(publish_port: int, replay_port: int) -> dict[str, Any]:
+    """vLLM ``--kv-events-config`` on loopback only: the engine publishes to the worker's
+    subscriber on ``publish_port`` and serves replays on ``replay_port``."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{publish_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+        "topic": TOPIC.decode(),
+    }
+
+
+def _hash(value: int | bytes) -> int:
+    return value if isinstance(value, int) else int.from_bytes(value, "big") & MASK_64
+
+
+def to_ops(events: Iterable[Any]) -> list[BlockOps]:
+    """One ``BlockOps`` per event, in order; LoRA blocks are not routed on and are skipped."""
+    ops = []
+    for event in events:
+        kind = type(event).__name__
+        if kind == "AllBlocksCleared":
+            ops.append(BlockOps(cleared=True))
+        elif getattr(event, "group_idx", None) not in (None, 0):
+            continue
+        elif kind == "BlockStored" and not event.lora_name:
+            ops.append(BlockOps(stored=[_hash(h) for h in event.block_hashes]))
+        elif kind == "BlockRemoved":
+            ops.append(BlockOps(removed=[_hash(h) for h in event.block_hashes]))
+    return ops
+
+
+class EventSink:
+    def __init__(
+        self, index: PrefixIndex, model: str, worker: str, publish_port: int, replay_port: int
+    ) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.index, self.model, self.worker = index, model, worker
+        self.publish = f"tcp://127.0.0.1:{publish_port}"
+        self.replay = f"tcp://127.0.0.1:{replay_port}"
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.context = zmq.asyncio.Context()
+        self.last_seq = -1
+        self.dirty = True  # start from a clean slate: the previous incarnation's entries go
+        self.applied_steps = 0
+
+    async def run(self) -> None:
+        sub = self.context.socket(zmq.SUB)
+        # vLLM's publisher binds only wildcard endpoints and connects to a concrete one, so
+        # on loopback this side binds; what it publishes before connecting is replayed.
+        sub.bind(self.publish)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        try:
+            while True:
+                if self.dirty:
+                    await self._rebuild()
+                try:
+                    frames = await asyncio.wait_for(sub.recv_multipart(), timeout=1.0)
+                except TimeoutError:
+                    continue
+                _, seq_bytes, payload = frames
+                await self._on_step(int.from_bytes(seq_bytes, "big"), payload)
+        finally:
+            sub.close(linger=0)
+            self.context.term()
+
+    async def _on_step(self, seq: int, payload: bytes) -> None:
+        if self.dirty or seq <= self.last_seq:
+            return  # a rebuild will cover it / already applied
+        if seq > self.last_seq + 1:
+            log.info("KV events %d..%d missed; replaying them", self.last_seq + 1, seq - 1)
+            await self._replay_from(self.last_seq + 1)
+            if self.dirty or seq <= self.last_seq:
+                return
+        await self._apply(seq, payload)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            await self.index.apply(
+                self.model, self.worker, to_ops(self.decoder.decode(payload).events)
+            )
+        except IndexUnavailable as exc:
+            if not self.dirty:
+                log.warning("prefix index unavailable (%s); will rebuild when it is back", exc)
+            self.dirty = True
+            return
+        self.last_seq = seq
+        self.applied_steps += 1
+
+    async def _rebuild(self) -> None:
+        """Clear this worker's entries and re-apply every step the engine still buffers."""
+        try:
+            await self.index.clear_worker(self.model, self.worker)
+        except IndexUnavailable:
+            await asyncio.sleep(1.0)
+            return
+        self.dirty, self.last_seq = False, -1
+        await self._replay_from(0)
+        if not self.dirty:
+            log.info("prefix index of %s rebuilt up to step %d", self.worker, self.last_seq)
+
+    async def _replay_from(self, start: int) -> None:
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.connect(self.replay)
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while await dealer.poll(REPLAY_TIMEOUT_MS):
+                frames = await dealer.recv_multipart()
+                seq_bytes, payload = frames[-2], frames[-1]
+                if seq_bytes == END_SEQ:
+                    return
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq > self.last_seq:
+                    if seq > self.last_seq + 1 and self.last_seq >= 0:
+                        log.warning("KV events before %d are gone from the buffer", seq)
+                    await self._apply(seq, payload)
+                    if self.dirty:
+                        return
+            log.warning("no answer from the engine's KV event replay; continuing live")
+        finally:
+            dealer.close(linger=0)

@@ -1,0 +1,102 @@
+"""The worker's link to the shared record: heartbeat in the registry, KV events into the
+prefix index, and the load both report. Active only when ``redis_url`` is set."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord
+from pdserve.kvindex.redis_store import RedisStore
+from pdserve.worker.config import WorkerSettings
+from pdserve.worker.engine import EngineInfo
+from pdserve.worker.kv_events import EventSink, events_config, free_loopback_port
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+TTL_HEARTBEATS = 3  # missed heartbeats before a worker counts as dead
+
+
+@dataclass
+class Load:
+    """Updated by the engine's stat logger (running, waiting, kv_usage) and the service."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+
+
+def stat_logger_for(load: Load) -> Any:
+    """A vLLM stat-logger factory that copies the scheduler's statistics into ``load``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if scheduler_stats is not None:
+                load.running = scheduler_stats.num_running_reqs
+                load.waiting = scheduler_stats.num_waiting_reqs
+                load.kv_usage = float(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadLogger
+
+
+class IndexLink:
+    def __init__(self, settings: WorkerSettings, load: Load) -> None:
+        self.settings = settings
+        self.load = load
+        self.store = RedisStore(settings.redis_url)
+        self.ports = (free_loopback_port(), free_loopback_port())
+        self.epoch = uuid.uuid4().hex
+        self.tasks: list[asyncio.Task[None]] = []
+        self.record: WorkerRecord | None = None
+
+    def kv_events_config(self) -> dict[str, Any]:
+        return events_config(*self.ports)
+
+    async def start(self, info: EngineInfo, grpc_port: int) -> None:
+        s = self.settings
+        self.record = WorkerRecord(
+            worker_id=s.name, role=s.role, address=f"{s.reachable_host}:{grpc_port}",
+            epoch=self.epoch, model=info.served_model_name, block_size=info.block_size,
+            max_model_len=info.max_model_len, kv_compat=info.kv_compat,
+        )  # fmt: skip
+        sink = EventSink(self.store, info.served_model_name, s.name, *self.ports)
+        self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
+
+    async def _heartbeat(self) -> None:
+        assert self.record is not None
+        warned = False
+        while True:
+            self.record.load = {k: float(v) for k, v in asdict(self.load).items()}
+            try:
+                await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
+                warned = False
+            except IndexUnavailable as exc:
+                if not warned:
+                    log.warning("cannot announce %s: %s (retrying)", self.settings.name, exc)
+                warned = True
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.record is not None:
+            with contextlib.suppress(IndexUnavailable):
+                await self.store.withdraw(self.settings.name)
+                await self.store.clear_worker(self.record.model, self.settings.name)
+        await self.store.close()

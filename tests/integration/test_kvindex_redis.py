@@ -1,0 +1,129 @@
+"""The prefix index and worker registry on a real redis-server (free loopback port)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
+from pdserve.kvindex.memory import MemoryIndex
+from pdserve.kvindex.redis_store import RedisStore
+from pdserve.redis_server import RedisServer
+
+M = "model-a"
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+    s = RedisStore(redis_server.url)
+    yield s
+    await s.close()
+
+
+async def test_events_build_the_longest_prefix_per_worker(store: RedisStore) -> None:
+    await store.apply(M, "p0", [BlockOps(stored=[1, 2, 3])])
+    await store.apply(M, "p1", [BlockOps(stored=[1, 2]), BlockOps(stored=[9])])
+    await store.apply(M, "p1", [BlockOps(removed=[2])])
+    counts = await store.longest_prefixes(M, [1, 2, 3, 4], ["p0", "p1", "p2"])
+    assert counts == {"p0": 3, "p1": 1, "p2": 0}
+    # the leading run stops at the first miss even if later blocks are held
+    assert await store.longest_prefixes(M, [7, 1, 2], ["p0"]) == {"p0": 0}
+    # models do not see each other's blocks
+    assert await store.longest_prefixes("model-b", [1], ["p0"]) == {"p0": 0}
+
+
+async def test_clearing_removes_exactly_one_workers_entries(store: RedisStore) -> None:
+    await store.apply(M, "p0", [BlockOps(stored=[1, 2])])
+    await store.apply(M, "p1", [BlockOps(stored=[1, 2])])
+    await store.clear_worker(M, "p0")
+    assert await store.longest_prefixes(M, [1, 2], ["p0", "p1"]) == {"p0": 0, "p1": 2}
+    # a step that starts with AllBlocksCleared then stores again
+    await store.apply(M, "p1", [BlockOps(cleared=True, stored=[5])])
+    assert await store.longest_prefixes(M, [1], ["p1"]) == {"p1": 0}
+    assert await store.longest_prefixes(M, [5], ["p1"]) == {"p1": 1}
+    keys = {k.decode() for k in await store.client.keys("pdserve:model-a:w:*")}
+    assert keys == {"pdserve:model-a:w:p1"}
+
+
+async def test_matches_the_in_memory_index_on_a_random_history(store: RedisStore) -> None:
+    import random
+
+    rng = random.Random(7)
+    memory = MemoryIndex()
+    workers = ["a", "b", "c"]
+    for _ in range(200):
+        worker = rng.choice(workers)
+        op = BlockOps(
+            stored=rng.sample(range(30), rng.randint(0, 5)),
+            removed=rng.sample(range(30), rng.randint(0, 3)),
+            cleared=rng.random() < 0.05,
+        )
+        for index in (memory, store):
+            await index.apply(M, worker, [op])
+    for _ in range(50):
+        hashes = rng.sample(range(30), rng.randint(1, 8))
+        assert await store.longest_prefixes(M, hashes, workers) == await memory.longest_prefixes(
+            M, hashes, workers
+        )
+
+
+async def test_concurrent_gateways_read_one_consistent_index(redis_server: RedisServer) -> None:
+    writer, readers = RedisStore(redis_server.url), [RedisStore(redis_server.url) for _ in range(3)]
+    try:
+        chain = list(range(100, 140))
+
+        async def write() -> None:
+            for i in range(0, len(chain), 4):  # each step stores the next 4 blocks atomically
+                await writer.apply(M, "p0", [BlockOps(stored=chain[i : i + 4])])
+
+        async def read(reader: RedisStore) -> list[int]:
+            seen = []
+            for _ in range(60):
+                seen.append((await reader.longest_prefixes(M, chain, ["p0"]))["p0"])
+            return seen
+
+        _, *observed = await asyncio.gather(write(), *(read(r) for r in readers))
+        for seen in observed:
+            assert all(n % 4 == 0 for n in seen), seen  # never half a step
+            assert seen == sorted(seen)  # a reader never goes back in time
+        assert all([(await r.longest_prefixes(M, chain, ["p0"]))["p0"] == 40 for r in readers])
+    finally:
+        for s in (writer, *readers):
+            await s.close()
+
+
+async def test_registry_heartbeats_expire_and_epochs_must_match(store: RedisStore) -> None:
+    record = WorkerRecord("prefill-0", "prefill", "10.0.0.1:50100", "epoch-1", M, 128)
+    await store.announce(record, ttl_s=0.3)
+    assert [r.worker_id for r in await store.alive_workers()] == ["prefill-0"]
+    await asyncio.sleep(0.5)
+    assert await store.alive_workers() == []  # heartbeat missed: dead
+    await store.announce(record, ttl_s=5)
+    restarted = WorkerRecord("prefill-0", "prefill", "10.0.0.1:50100", "epoch-2", M, 128)
+    await store.client.hset(store.keys.workers, "prefill-0", restarted.to_json())
+    assert await store.alive_workers() == []  # record and heartbeat of different incarnations
+    await store.announce(restarted, ttl_s=5)
+    assert [r.epoch for r in await store.alive_workers()] == ["epoch-2"]
+    await store.withdraw("prefill-0")
+    assert await store.alive_workers() == []
+
+
+async def test_unreachable_redis_is_a_clear_error_and_recovers(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, timeout_s=0.5)
+    try:
+        await store.apply(M, "p0", [BlockOps(stored=[1])])
+        redis_server.stop()
+        with pytest.raises(IndexUnavailable, match="Redis is unavailable"):
+            await store.longest_prefixes(M, [1], ["p0"])
+        redis_server.start()  # same port, empty data (no persistence)
+        assert await store.longest_prefixes(M, [1], ["p0"]) == {"p0": 0}
+    finally:
+        await store.close()

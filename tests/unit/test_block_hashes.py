@@ -1,0 +1,30 @@
+"""The gateway's block hashes equal vLLM's own (sha256_cbor, seeded, 64-bit event ids)."""
+
+from __future__ import annotations
+
+from pdserve.kvindex.hashing import MASK_64, block_hashes
+
+
+def vllm_hashes(ids: list[int], block_size: int, seed: str) -> list[int]:
+    import os
+
+    os.environ["PYTHONHASHSEED"] = seed
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name("sha256_cbor")
+    kv_cache_utils.init_none_hash(fn)
+    parent, out = None, []
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, ids[start : start + block_size])
+        out.append(int.from_bytes(parent, "big") & MASK_64)
+    return out
+
+
+def test_hashes_match_vllm() -> None:
+    ids = [(i * 7919) % 49152 for i in range(1000)]
+    ours = block_hashes(ids, 128, seed=42)
+    assert len(ours) == 7  # only full blocks
+    assert ours == vllm_hashes(ids, 128, "42")
+    assert block_hashes(ids, 128, seed=43) != ours  # the seed matters
+    assert block_hashes([*ids[:256], 1], 128, seed=42) == ours[:2]  # prefixes share hashes
