@@ -4,7 +4,9 @@ The engine publishes each step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlock
 events on a local ZMQ socket with a sequence number, and keeps the last steps for replay.
 ``EventSink`` subscribes, applies every step atomically to the index, and repairs what it
 missed: a sequence gap is filled from the replay buffer; after the index was unreachable,
-the worker's entries are cleared and rebuilt from the whole buffer once it is back.
+the worker's entries are cleared and rebuilt from the whole buffer once it is back. When
+the stream is quiet the sink asks the buffer for anything newer, so a lost last step is
+found even if no further step follows.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class EventSink:
                 try:
                     frames = await asyncio.wait_for(sub.recv_multipart(), timeout=1.0)
                 except TimeoutError:
+                    # Quiet for a second: ask the buffer whether a step slipped past us (the
+                    # publisher drops steps sent before it has seen our subscription).
+                    await self._replay_from(self.last_seq + 1)
                     continue
                 _, seq_bytes, payload = frames
                 await self._on_step(int.from_bytes(seq_bytes, "big"), payload)

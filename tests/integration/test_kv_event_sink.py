@@ -1,0 +1,145 @@
+"""The worker's KV-event sink between vLLM's own ZMQ event publisher and a real Redis index."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from pdserve.kvindex.redis_store import RedisStore
+from pdserve.redis_server import RedisServer
+from pdserve.worker.kv_events import EventSink, free_loopback_port
+
+M, W = "model", "prefill-0"
+
+
+def stored(*hashes: int) -> Any:
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                       block_size=128, lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
+
+
+def removed(*hashes: int) -> Any:
+    from vllm.distributed.kv_events import BlockRemoved
+
+    return BlockRemoved(block_hashes=list(hashes), medium="GPU")
+
+
+class Engine:
+    """vLLM's ZmqEventPublisher, configured as pdserve configures the engine."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.publish_port, self.replay_port = free_loopback_port(), free_loopback_port()
+        self.publisher = ZmqEventPublisher(
+            0, endpoint=f"tcp://127.0.0.1:{self.publish_port}",
+            replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}", topic="kv",
+        )  # fmt: skip
+
+    def step(self, *events: Any) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.publisher.publish(KVEventBatch(ts=0.0, events=list(events)))
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+    s = RedisStore(redis_server.url, timeout_s=0.5)
+    yield s
+    await s.close()
+
+
+@contextlib.asynccontextmanager
+async def running(sink: EventSink) -> AsyncIterator[None]:
+    task = asyncio.create_task(sink.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_steps_published_before_the_sink_started_are_replayed(store: RedisStore) -> None:
+    engine = Engine()
+    engine.step(stored(1, 2))
+    engine.step(stored(3), removed(2))
+    await store.apply(M, W, [])  # nothing yet
+    sink = EventSink(store, M, W, engine.publish_port, engine.replay_port)
+    async with running(sink):
+        await until(lambda: _count(store, [1, 3], 2))
+        assert await _count(store, [1, 2], 1)  # block 2 was stored, then removed
+        engine.step(stored(2))  # live after the catch-up
+        await until(lambda: _count(store, [1, 2], 2))
+    assert sink.last_seq == 2
+    engine.publisher.shutdown()
+
+
+async def test_a_sequence_gap_is_filled_from_the_replay_buffer(store: RedisStore) -> None:
+    engine = Engine()
+    sink = EventSink(store, M, W, engine.publish_port, engine.replay_port)
+    async with running(sink):
+        engine.step(stored(10))
+        await until(lambda: _count(store, [10], 1))
+        # steps 1 and 2 reach the buffer but not this sink (as if the message was lost)
+        engine.publisher._buffer.append((1, _encode(stored(11))))
+        engine.publisher._buffer.append((2, _encode(stored(12))))
+        await sink._on_step(3, _encode(stored(13)))
+        assert await store.longest_prefixes(M, [10, 11, 12, 13], [W]) == {W: 4}
+        assert sink.last_seq == 3
+    engine.publisher.shutdown()
+
+
+async def test_the_index_is_rebuilt_after_redis_comes_back(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    engine = Engine()
+    sink = EventSink(store, M, W, engine.publish_port, engine.replay_port)
+    async with running(sink):
+        engine.step(stored(1))
+        await until(lambda: _count(store, [1], 1))
+        redis_server.stop()
+        engine.step(stored(2))  # cannot be applied: the sink marks itself dirty
+        await until(_true_when(lambda: sink.dirty))
+        redis_server.start()  # empty Redis on the same port
+        await until(lambda: _count(store, [1, 2], 2))
+    engine.publisher.shutdown()
+
+
+def _encode(event: Any) -> bytes:
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    return msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[event]))
+
+
+def _true_when(check: Any) -> Any:
+    async def predicate() -> bool:
+        return bool(check())
+
+    return predicate
+
+
+async def _count(store: RedisStore, hashes: list[int], want: int) -> bool:
+    try:
+        return (await store.longest_prefixes(M, hashes, [W]))[W] == want
+    except Exception:
+        return False
