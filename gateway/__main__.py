@@ -1,0 +1,57 @@
+"""``pdserve gateway``: run the gateway until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from gateway.config import GatewaySettings
+from pdserve import log as pdlog
+from pdserve.grpc_server import stop_event_on_signals
+from pdserve.settings import cli_args, from_args
+
+log = logging.getLogger("gateway")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli_args(parser, GatewaySettings)
+
+
+async def _serve(settings: GatewaySettings) -> int:
+    from gateway.server import GatewayServer  # after logging is set up
+
+    stop = stop_event_on_signals()
+    server = GatewayServer(settings)
+    try:
+        await server.start()
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await server.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    pdlog.setup("gateway")
+    try:
+        settings = from_args(GatewaySettings, args)
+    except ValidationError as err:
+        print(f"pdserve gateway: invalid settings:\n{err}", file=sys.stderr)
+        return 2
+    if not settings.decode_workers:
+        log.warning("no decode workers configured (--decode-workers): every request gets 503")
+    try:
+        return asyncio.run(_serve(settings))
+    except (OSError, ValueError) as err:  # bind failures, missing model or tokenizer
+        log.error("cannot start the gateway: %s", err)
+        return 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m gateway")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

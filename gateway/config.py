@@ -1,0 +1,102 @@
+"""The gateway's one settings object: env ``PDSERVE_GATEWAY_*`` overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode
+
+from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config
+
+WorkerList = Annotated[list[str], NoDecode]
+
+
+def _split_addresses(value: Any) -> Any:
+    """Accept "h:p,h:p" (env, CLI) as well as a list; drop blanks."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if isinstance(value, list | tuple):
+        return [str(v).strip() for v in value if str(v).strip()]
+    return value
+
+
+class GatewaySettings(BaseSettings):
+    model_config = base_config("PDSERVE_GATEWAY_")
+
+    http_host: str = Field(
+        default="127.0.0.1", description="address the HTTP and gRPC servers bind"
+    )
+    http_port: int = Field(
+        default=GATEWAY_HTTP_PORT, ge=0, le=65535, description="OpenAI HTTP API port (0: any free)"
+    )
+    grpc_port: int = Field(
+        default=GATEWAY_GRPC_PORT, ge=0, le=65535, description="public gRPC API port (0: any free)"
+    )
+    model: str = Field(default="", description="local model dir for the tokenizer (empty: default)")
+    served_model_name: str = Field(
+        default="", description="model name clients use (empty: dir name)"
+    )
+    prefill_workers: WorkerList = Field(
+        default=[], description="prefill workers, host:port,host:port"
+    )
+    decode_workers: WorkerList = Field(
+        default=[], description="decode workers, host:port,host:port"
+    )
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="deadline of a whole decode stream"
+    )
+    prefill_timeout_s: float = Field(default=60.0, gt=0, description="deadline of one Prefill call")
+    control_timeout_s: float = Field(
+        default=3.0, gt=0, description="deadline of GetCapabilities and Abort calls"
+    )
+    health_interval_s: float = Field(
+        default=5.0, gt=0, description="how often worker capabilities are refreshed"
+    )
+    prefill_failure_policy: Literal["local", "fail"] = Field(
+        default="local",
+        description="prefill worker failing: 'local' lets the decode worker compute the prompt, "
+        "'fail' answers 503",
+    )
+    default_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="max_tokens when a request has none (0: up to the context length)",
+    )
+    picker: str = Field(
+        default="round_robin", description="routing picker (gateway.routing.PICKERS)"
+    )
+
+    @field_validator("prefill_workers", "decode_workers", mode="before")
+    @classmethod
+    def _addresses(cls, value: Any) -> Any:
+        return _split_addresses(value)
+
+    @field_validator("prefill_workers", "decode_workers")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        for address in value:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"worker address {address!r} is not host:port")
+        return value
+
+    @model_validator(mode="after")
+    def _check_picker(self) -> GatewaySettings:
+        from gateway.routing import PICKERS
+
+        if self.picker not in PICKERS:
+            raise ValueError(f"unknown picker {self.picker!r}; known: {sorted(PICKERS)}")
+        return self
+
+    def model_dir(self) -> str:
+        """The tokenizer's directory: ``model``, or the default model when empty."""
+        if self.model:
+            return self.model
+        from pdserve.model import resolve_model  # lazy: written separately, imports more
+
+        return resolve_model(None)
+
+    def model_name(self, model_dir: str) -> str:
+        return self.served_model_name or Path(model_dir.rstrip("/")).name

@@ -1,0 +1,58 @@
+"""Domain errors of the gateway core.
+
+The core raises these; each transport maps them to its wire status in one place
+(``gateway.http.error_response``, ``gateway.grpc_api._abort``). ``param`` names the offending
+request field when there is one.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base of every error the core raises on purpose."""
+
+    # A short machine-readable code, used as OpenAI's ``error.code``.
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(GatewayError):
+    """The request is malformed or asks for something unsupported (HTTP 400)."""
+
+    code = "invalid_request"
+
+
+class PromptTooLong(InvalidRequest):
+    """Prompt (plus requested max_tokens) does not fit the model's context (HTTP 400)."""
+
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(GatewayError):
+    """The request names a model this gateway does not serve (HTTP 404)."""
+
+    code = "model_not_found"
+
+
+class NoWorkerAvailable(GatewayError):
+    """No healthy (compatible) worker can take the request (HTTP 503)."""
+
+    code = "no_worker_available"
+
+
+class WorkerFailed(GatewayError):
+    """A worker failed while serving the request (HTTP 503 before the first token)."""
+
+    code = "worker_failed"
+
+    def __init__(
+        self, message: str, *, worker: str = "", reason: str = "", param: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
+        self.worker = worker
+        # The worker's own word on the cause, e.g. "kv_transfer_failed" (may be empty).
+        self.reason = reason

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``).
+
+Label values: ``endpoint`` is "completions", "chat_completions" or "grpc_generate"; ``path``
+is "disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the
+prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok", "invalid",
+"unavailable", "error" or "cancelled".
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_gateway_requests",
+            "Finished requests by endpoint, path and outcome.",
+            ["endpoint", "path", "outcome"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "pdserve_gateway_local_fallbacks",
+            "Requests moved to the local path after a failure, by reason "
+            "(prefill_failed, kv_transfer_failed, no_handoff).",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "pdserve_gateway_kv_transfer_bytes",
+            "KV cache bytes the decode workers received from prefill workers.",
+            registry=r,
+        )
+        self.kv_seconds = Histogram(
+            "pdserve_gateway_kv_transfer_seconds",
+            "Time the decode worker spent pulling one request's KV blocks.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "pdserve_gateway_prefill_seconds",
+            "Duration of the Prefill call, as seen by the gateway.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_gateway_time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_gateway_inter_token_latency_seconds",
+            "Time between generated tokens after the first (per token).",
+            ["path"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

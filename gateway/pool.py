@@ -1,0 +1,184 @@
+"""The static worker pool: one client per configured worker, health from ``GetCapabilities``.
+
+Capabilities are fetched at start and every ``health_interval_s``; a worker whose call fails
+(or that reports the wrong role) is unhealthy and skipped until a later refresh succeeds. A
+worker that fails a request is marked unhealthy at once (``mark_failed``). Pairs of prefill and
+decode workers whose ``kv_compat`` maps differ are never compatible; each such pair is logged
+once as an error naming the differing keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from decode_service.client import DecodeClient
+from gateway.config import GatewaySettings
+from pdserve.grpc_client import RpcCallError
+from prefill_service.client import PrefillClient
+from protos.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", PrefillClient, DecodeClient)
+
+
+@dataclass(eq=False)
+class Worker(Generic[C]):
+    """One configured worker and what the gateway last learned about it."""
+
+    address: str
+    role: int  # worker_pb2.Role
+    client: C
+    capabilities: worker_pb2.Capabilities | None = None
+    healthy: bool = False
+    last_error: str = ""
+
+    @property
+    def role_name(self) -> str:
+        return "prefill" if self.role == worker_pb2.ROLE_PREFILL else "decode"
+
+
+PrefillWorker = Worker[PrefillClient]
+DecodeWorker = Worker[DecodeClient]
+
+
+def kv_compat_diff(a: worker_pb2.Capabilities, b: worker_pb2.Capabilities) -> list[str]:
+    """Keys whose values differ between the two workers' ``kv_compat`` (missing counts)."""
+    keys = set(a.kv_compat) | set(b.kv_compat)
+    return sorted(k for k in keys if a.kv_compat.get(k) != b.kv_compat.get(k))
+
+
+class WorkerPool:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        timeout = settings.control_timeout_s
+        self.prefill: list[PrefillWorker] = [
+            Worker(a, worker_pb2.ROLE_PREFILL, PrefillClient(a, default_timeout_s=timeout))
+            for a in settings.prefill_workers
+        ]
+        self.decode: list[DecodeWorker] = [
+            Worker(a, worker_pb2.ROLE_DECODE, DecodeClient(a, default_timeout_s=timeout))
+            for a in settings.decode_workers
+        ]
+        self._incompatible: dict[tuple[str, str], list[str]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every refresh and every ``mark_failed``."""
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    async def start(self) -> None:
+        """First refresh (never raises: unreachable workers are just unhealthy), then loop."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="gateway-pool-refresh")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        for worker in workers:
+            await worker.client.close()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception(
+                    "worker pool refresh failed; retrying in %.1f s",
+                    self.settings.health_interval_s,
+                )
+
+    async def refresh(self) -> None:
+        workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        await asyncio.gather(*(self._refresh_one(w) for w in workers))
+        self._check_compat()
+        self._notify()
+
+    async def _refresh_one(self, worker: PrefillWorker | DecodeWorker) -> None:
+        try:
+            caps = await worker.client.capabilities()
+        except RpcCallError as err:
+            self._set_health(worker, False, str(err))
+            return
+        if caps.role not in (worker.role, worker_pb2.ROLE_UNSPECIFIED):
+            actual = worker_pb2.Role.Name(caps.role)
+            self._set_health(
+                worker, False, f"reports role {actual}, configured as a {worker.role_name} worker"
+            )
+            return
+        worker.capabilities = caps
+        self._set_health(worker, True, "")
+
+    def _set_health(self, worker: PrefillWorker | DecodeWorker, healthy: bool, why: str) -> None:
+        if healthy and not worker.healthy:
+            caps = worker.capabilities
+            log.info(
+                "%s worker %s is healthy (model %s, max_model_len %s)",
+                worker.role_name,
+                worker.address,
+                caps.served_model_name if caps else "?",
+                caps.max_model_len if caps else "?",
+            )
+        elif not healthy and (worker.healthy or why != worker.last_error):
+            log.warning("%s worker %s is unhealthy: %s", worker.role_name, worker.address, why)
+        worker.healthy = healthy
+        worker.last_error = why
+
+    def mark_failed(self, worker: PrefillWorker | DecodeWorker, why: str) -> None:
+        """Skip ``worker`` until the next successful capabilities refresh."""
+        self._set_health(worker, False, why)
+        self._notify()
+
+    def _check_compat(self) -> None:
+        for p in self.prefill:
+            for d in self.decode:
+                if p.capabilities is None or d.capabilities is None:
+                    continue
+                key = (p.address, d.address)
+                diff = kv_compat_diff(p.capabilities, d.capabilities)
+                if diff and self._incompatible.get(key) != diff:
+                    log.error(
+                        "refusing to pair prefill worker %s with decode worker %s: kv_compat "
+                        "differs in %s (prefill: %s; decode: %s)",
+                        p.address,
+                        d.address,
+                        diff,
+                        {k: p.capabilities.kv_compat.get(k) for k in diff},
+                        {k: d.capabilities.kv_compat.get(k) for k in diff},
+                    )
+                if diff:
+                    self._incompatible[key] = diff
+                else:
+                    self._incompatible.pop(key, None)
+
+    def compatible(self, prefill: PrefillWorker, decode: DecodeWorker) -> bool:
+        return (prefill.address, decode.address) not in self._incompatible
+
+    def healthy_prefill(self) -> list[PrefillWorker]:
+        return [w for w in self.prefill if w.healthy]
+
+    def healthy_decode(self) -> list[DecodeWorker]:
+        return [w for w in self.decode if w.healthy]
+
+    def max_model_len(self) -> int:
+        """The smallest context length among healthy decode workers (0: not known yet)."""
+        return _min_len(self.healthy_decode()) or _min_len(self.decode)
+
+
+def _min_len(workers: Sequence[PrefillWorker | DecodeWorker]) -> int:
+    lengths = [w.capabilities.max_model_len for w in workers if w.capabilities]
+    return min((n for n in lengths if n > 0), default=0)

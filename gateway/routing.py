@@ -1,0 +1,63 @@
+"""Routing: what a picker sees and returns, the built-in pickers, and their registry."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.errors import NoWorkerAvailable
+from gateway.interfaces import CompatibilityCheck, Picker
+from gateway.pool import DecodeWorker, PrefillWorker
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a picker may base its choice on."""
+
+    request_id: str
+    model: str
+    token_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Route:
+    """The chosen workers; ``prefill`` None: the decode worker computes the prompt."""
+
+    prefill: PrefillWorker | None
+    decode: DecodeWorker
+
+
+class RoundRobinPicker:
+    """Decode workers in turn; for the chosen one, the compatible prefill workers in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._decode_turn = itertools.count()
+        self._prefill_turn = itertools.count()
+
+    async def pick(
+        self,
+        request: RouteRequest,
+        prefill: Sequence[PrefillWorker],
+        decode: Sequence[DecodeWorker],
+        compatible: CompatibilityCheck,
+    ) -> Route:
+        if not decode:
+            raise NoWorkerAvailable("no healthy decode worker")
+        chosen = decode[next(self._decode_turn) % len(decode)]
+        fits = [p for p in prefill if compatible(p, chosen)]
+        if not fits:
+            return Route(prefill=None, decode=chosen)
+        return Route(prefill=fits[next(self._prefill_turn) % len(fits)], decode=chosen)
+
+
+# Name -> factory; GatewaySettings.picker selects one.
+PICKERS: dict[str, Callable[[], Picker]] = {
+    RoundRobinPicker.name: RoundRobinPicker,
+}
+
+
+def make_picker(name: str) -> Picker:
+    return PICKERS[name]()

@@ -1,0 +1,155 @@
+"""Transport wiring of the gateway: one object that starts and stops everything in one loop.
+
+HTTP (uvicorn serving the FastAPI app on a socket bound here, so port 0 works and the real
+port is known) and the public gRPC server (``pdserve.grpc_server.GrpcServer``: health and
+reflection) share the asyncio loop with the worker pool. The gRPC health status of
+``pdserve.v1.Generation`` follows the pool: SERVING while a decode worker is healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from grpc_health.v1 import health_pb2
+
+from gateway.config import GatewaySettings
+from gateway.grpc_api import SERVICE_NAME, GenerationServicer
+from gateway.http import create_app
+from gateway.interfaces import PromptTokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool
+from gateway.routing import make_picker
+from gateway.service import GenerationService
+from pdserve.grpc_server import GrpcServer
+from protos.v1 import generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_HTTP_GRACE_S = 10.0
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gateway owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    return sock
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("cannot update gRPC health: %s", task.exception())
+
+
+class GatewayServer:
+    """Build with settings; ``await start()``; ``await stop()``.
+
+    ``tokenizer`` may be injected (tests); by default the model directory's tokenizer is
+    loaded once at ``start``.
+    """
+
+    def __init__(self, settings: GatewaySettings, tokenizer: PromptTokenizer | None = None):
+        self.settings = settings
+        self._tokenizer = tokenizer
+        self.metrics = GatewayMetrics()
+        self.pool = WorkerPool(settings)
+        self.service: GenerationService | None = None
+        self.http_port = 0
+        self.grpc_port = 0
+        self._http: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._grpc: GrpcServer | None = None
+
+    def _build_service(self) -> GenerationService:
+        model_dir = self.settings.model_dir()
+        if self._tokenizer is None:
+            from gateway.tokenizer import HfTokenizer
+
+            self._tokenizer = HfTokenizer(model_dir)
+        return GenerationService(
+            self.settings,
+            model_name=self.settings.model_name(model_dir),
+            tokenizer=self._tokenizer,
+            pool=self.pool,
+            picker=make_picker(self.settings.picker),
+            metrics=self.metrics,
+        )
+
+    async def start(self) -> None:
+        service = self.service = self._build_service()
+        await self.pool.start()
+        await self._start_http(service)
+        servicer = GenerationServicer(service)
+        self._grpc = GrpcServer(
+            self.settings.http_host,
+            self.settings.grpc_port,
+            [lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)],
+            [SERVICE_NAME],
+        )
+        self.grpc_port = await self._grpc.start()
+        self.pool.add_listener(self._update_health)
+        self._update_health()
+        log.info(
+            "gateway serving model %s: HTTP on %s:%d, gRPC on %s:%d",
+            service.model_name,
+            self.settings.http_host,
+            self.http_port,
+            self.settings.http_host,
+            self.grpc_port,
+        )
+
+    async def _start_http(self, service: GenerationService) -> None:
+        sock = _bind(self.settings.http_host, self.settings.http_port)
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(service),
+            log_config=None,
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=int(_HTTP_GRACE_S),
+        )
+        self._http = _EmbeddedUvicorn(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="gateway-http")
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises what stopped it
+                raise OSError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+
+    def _update_health(self) -> None:
+        if self._grpc is None or self.service is None:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.service.ready()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        task = asyncio.ensure_future(self._grpc.health.set(SERVICE_NAME, status))
+        task.add_done_callback(_retrieve)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking requests, let running ones finish (bounded), close the clients."""
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await self._http_task
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self.service is not None:
+            await self.service.close()
+        await self.pool.close()
+        log.info("gateway stopped")

@@ -1,0 +1,198 @@
+"""The gateway's transport-agnostic core.
+
+Adapters (``gateway.http``, ``gateway.grpc_api``) build a ``GenerateRequest`` (the request id
+is made at the edge) and call ``GenerationService.start``: validate -> tokenize -> context
+length -> pick P and D -> prefill -> decode stream. ``start`` raises ``GatewayError``s for
+everything that goes wrong before the first token; the returned ``Generation`` yields
+``TokenDelta``s and a final ``Finish`` (see ``gateway.generation``).
+
+Extending: new routing goes in a ``Picker`` (``gateway.interfaces``, registry
+``gateway.routing.PICKERS``); new endpoints are adapters over ``start``/``generate``; new
+per-request steps (e.g. recording prefix hits) belong in ``Generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.config import GatewaySettings
+from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NoWorkerAvailable
+from gateway.generation import AnyWorker, Event, Generation, outcome_for
+from gateway.interfaces import Picker, PromptTokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.params import check_sampling, resolve_max_tokens
+from gateway.pool import WorkerPool
+from gateway.routing import Route, RouteRequest
+from pdserve.grpc_client import RpcCallError
+from protos.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def edge_request_id(candidate: str | None) -> str:
+    """The request id of a new request: the client's ``x-request-id`` when it is a sane token
+    (letters, digits, ``._:-``, at most 128), else a fresh random one."""
+    if candidate and _REQUEST_ID_OK.fullmatch(candidate):
+        return candidate
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of: completion text, token ids (used as given), chat messages."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[Mapping[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt: Prompt
+    params: common_pb2.SamplingParams
+    model: str = ""  # empty: the served model
+    endpoint: str = "grpc_generate"  # metrics label
+    received_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+
+
+class GenerationService:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        model_name: str,
+        tokenizer: PromptTokenizer,
+        pool: WorkerPool,
+        picker: Picker,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.settings = settings
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.picker = picker
+        self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo(self.model_name, self.pool.max_model_len())]
+
+    def ready(self) -> bool:
+        """At least one decode worker is healthy."""
+        return bool(self.pool.healthy_decode())
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """``start`` and iterate: the simple form for callers that need no status up front."""
+        generation = await self.start(request)
+        async for event in generation.events():
+            yield event
+
+    async def start(self, request: GenerateRequest) -> Generation:
+        try:
+            self._check_model(request.model)
+            check_sampling(request.params)
+            token_ids = self._tokenize(request.prompt)
+            params = resolve_max_tokens(
+                request.params,
+                len(token_ids),
+                self.pool.max_model_len(),
+                self.settings.default_max_tokens,
+                prompt_param="messages" if request.prompt.messages is not None else "prompt",
+            )
+            route = await self._route(request, token_ids)
+        except GatewayError as err:
+            self.metrics.requests.labels(request.endpoint, "none", outcome_for(err)).inc()
+            raise
+        generation = Generation(
+            request_id=request.request_id,
+            endpoint=request.endpoint,
+            token_ids=token_ids,
+            params=params,
+            route=route,
+            received_at=request.received_at,
+            settings=self.settings,
+            pool=self.pool,
+            metrics=self.metrics,
+            abort=self.abort_later,
+        )
+        try:
+            await generation.open()
+        except asyncio.CancelledError:
+            generation.abandon("cancelled")
+            raise
+        except GatewayError as err:
+            generation.abandon(outcome_for(err))
+            raise
+        return generation
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if prompt.messages is not None:
+            if not prompt.messages:
+                raise InvalidRequest("messages must not be empty", param="messages")
+            return self.tokenizer.encode_chat([dict(m) for m in prompt.messages])
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]} is out of vocabulary (size {vocab})", param="prompt"
+                )
+        elif prompt.text is not None:
+            ids = self.tokenizer.encode_text(prompt.text)
+        else:
+            raise InvalidRequest("the request has no prompt", param="prompt")
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return ids
+
+    async def _route(self, request: GenerateRequest, token_ids: Sequence[int]) -> Route:
+        prefill = self.pool.healthy_prefill()
+        if self.pool.prefill and not prefill and self.settings.prefill_failure_policy == "fail":
+            raise NoWorkerAvailable("no healthy prefill worker (prefill_failure_policy 'fail')")
+        decode = self.pool.healthy_decode()
+        if not decode:
+            raise NoWorkerAvailable("no healthy decode worker")
+        route_request = RouteRequest(request.request_id, self.model_name, token_ids)
+        return await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
+
+    def abort_later(self, workers: Sequence[AnyWorker], request_id: str) -> None:
+        """Send ``Abort`` to ``workers`` from a background task (safe under cancellation)."""
+        task = asyncio.create_task(self._abort(list(workers), request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, workers: Sequence[AnyWorker], request_id: str) -> None:
+        await asyncio.gather(*(self._abort_one(w, request_id) for w in workers))
+
+    async def _abort_one(self, worker: AnyWorker, request_id: str) -> None:
+        try:
+            found = await worker.client.abort(request_id, timeout=self.settings.control_timeout_s)
+        except RpcCallError as err:
+            log.info("request %s: abort on %s failed: %s", request_id, worker.address, err)
+            return
+        log.debug("request %s: aborted on %s (found=%s)", request_id, worker.address, found)
+
+    async def close(self) -> None:
+        """Let pending aborts finish (each is bounded by ``control_timeout_s``)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

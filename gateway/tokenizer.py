@@ -1,0 +1,64 @@
+"""The one place prompts become token ids (DESIGN.md: the gateway tokenizes ONCE).
+
+Token parity with vLLM's OpenAI server:
+- chat: the chat template is rendered to text (``add_generation_prompt=True``) and that text is
+  encoded with ``add_special_tokens=False`` (the template already has BOS etc.), as vLLM's chat
+  path does (its ``add_special_tokens`` defaults to False for chat);
+- completions: the prompt text is encoded with ``add_special_tokens=True`` (vLLM's default).
+
+The tokenizer is loaded from the directory's ``tokenizer.json`` with transformers' fast backend
+class, not ``AutoTokenizer``: importing ``AutoTokenizer`` pulls in torch, which the gateway must
+never import. ``tokenizer.json`` fully defines normalisation, pre-tokenisation and special
+tokens, so the ids are those of the model's own tokenizer (checked against vLLM's request path
+for the default model).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+from gateway.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+class HfTokenizer:
+    """A Hugging Face tokenizer loaded once from a local model directory."""
+
+    def __init__(self, model_dir: str) -> None:
+        # Heavy import, only when a gateway starts; this module path does not import torch.
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        if not (Path(model_dir) / "tokenizer.json").is_file():
+            raise OSError(f"{model_dir} has no tokenizer.json: the gateway needs a fast tokenizer")
+        self.model_dir = model_dir
+        self._tok: Any = TokenizersBackend.from_pretrained(model_dir)
+        self.vocab_size = len(self._tok)
+        self.eos_token_id: int | None = self._tok.eos_token_id
+        if not getattr(self._tok, "chat_template", None):
+            log.warning("tokenizer in %s has no chat template: chat requests will fail", model_dir)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template applied to ``messages``, ready for the assistant's turn."""
+        if not getattr(self._tok, "chat_template", None):
+            raise InvalidRequest("this model has no chat template; use /v1/completions")
+        try:
+            text = self._tok.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except (TemplateError, ValueError, TypeError, KeyError) as err:  # e.g. bad roles
+            message = f"cannot apply the chat template: {err}"
+            raise InvalidRequest(message, param="messages") from err
+        return str(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.render_chat(messages)
+        return list(self._tok.encode(text, add_special_tokens=False))

@@ -1,0 +1,184 @@
+"""Scripted fake prefill and decode workers (real grpc.aio servers, no engine).
+
+For gateway tests only: they speak the worker protos exactly and record what they received,
+so a test can check token parity, the KV hand-off, request ids, aborts and cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from pdserve.grpc_server import GrpcServer
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+# (token id, text) of the scripted answer: "Hello, world!"
+DEFAULT_PIECES: list[tuple[int, str]] = [(19556, "Hello"), (28, ","), (905, " world"), (17, "!")]
+KV_BYTES_PER_TOKEN = 1000
+KV_COMPAT = {"model": "fake", "dtype": "bfloat16", "block_size": "16", "kv_layout": "NHD"}
+
+
+def capabilities(
+    role: int, max_model_len: int, kv_compat: dict[str, str]
+) -> worker_pb2.Capabilities:
+    return worker_pb2.Capabilities(
+        worker_id=f"fake-{worker_pb2.Role.Name(role).lower()}",
+        role=role,  # type: ignore[arg-type]
+        model="fake-model",
+        served_model_name="fake-model",
+        block_size=16,
+        max_model_len=max_model_len,
+        kv_capacity_tokens=100_000,
+        num_kv_blocks=6250,
+        dtype="bfloat16",
+        kv_connector="FakeConnector",
+        kv_compat=kv_compat,
+        version="test",
+    )
+
+
+R = TypeVar("R")
+
+
+@dataclass
+class Recorder(Generic[R]):
+    """What one fake worker saw."""
+
+    requests: list[R] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record(self, request: R, context: Any) -> None:
+        self.requests.append(request)
+        self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+
+    def abort(self, request_id: str) -> worker_pb2.AbortResponse:
+        self.aborts.append(request_id)
+        self.aborted.set()
+        return worker_pb2.AbortResponse(found=True)
+
+
+class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, *, cached_tokens: int = 3, max_model_len: int = 2048) -> None:
+        self.seen: Recorder[worker_pb2.PrefillRequest] = Recorder()
+        self.cached_tokens = cached_tokens
+        self.fail_with: grpc.StatusCode | None = None
+        self.caps = capabilities(worker_pb2.ROLE_PREFILL, max_model_len, dict(KV_COMPAT))
+        self.responses: list[worker_pb2.PrefillResponse] = []
+
+    async def Prefill(self, request, context):  # type: ignore[no-untyped-def]
+        self.seen.record(request, context)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, "scripted prefill failure")
+        n = len(request.prompt_token_ids)
+        cached = min(self.cached_tokens, n - 1)
+        params = worker_pb2.KvTransferParams(
+            remote_engine_id="fake-prefill-engine",
+            remote_request_id=f"engine-{request.request_id}",
+            remote_host="127.0.0.1",
+            remote_port=15100,
+            remote_block_ids=list(range((n + 15) // 16)),
+            remote_num_tokens=n,
+            remote_prefill_cached_tokens=cached,
+            extra_json='{"tp_size": 1}',
+        )
+        response = worker_pb2.PrefillResponse(
+            request_id=request.request_id,
+            kv_transfer_params=params,
+            first_token_id=DEFAULT_PIECES[0][0],
+            prompt_tokens=n,
+            cached_tokens=cached,
+        )
+        self.responses.append(response)
+        return response
+
+    async def Abort(self, request, context):  # type: ignore[no-untyped-def]
+        return self.seen.abort(request.request_id)
+
+    async def GetCapabilities(self, request, context):  # type: ignore[no-untyped-def]
+        return self.caps
+
+
+class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
+    """Streams ``pieces`` one token per chunk, the finish on the last token's chunk."""
+
+    def __init__(self, *, delay_s: float = 0.0, max_model_len: int = 2048) -> None:
+        self.seen: Recorder[worker_pb2.DecodeRequest] = Recorder()
+        self.pieces = list(DEFAULT_PIECES)
+        self.delay_s = delay_s
+        # Refuse hand-offs the way a worker does when it cannot pull the KV blocks.
+        self.fail_kv_transfer = False
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.caps = capabilities(worker_pb2.ROLE_DECODE, max_model_len, dict(KV_COMPAT))
+
+    def _final(self, request: worker_pb2.DecodeRequest, emitted: int) -> worker_pb2.DecodeChunk:
+        n = len(request.prompt_token_ids)
+        transfer = common_pb2.TransferStats(prompt_tokens_computed=n)
+        cached = 0
+        if request.HasField("kv_transfer_params"):
+            kv = request.kv_transfer_params
+            cached = kv.remote_prefill_cached_tokens
+            transfer = common_pb2.TransferStats(
+                prompt_tokens_computed=1,
+                kv_tokens_received=kv.remote_num_tokens - 1,
+                kv_blocks_received=len(kv.remote_block_ids),
+                kv_bytes_received=(kv.remote_num_tokens - 1) * KV_BYTES_PER_TOKEN,
+                kv_transfer_seconds=0.002,
+            )
+        usage = common_pb2.Usage(prompt_tokens=n, completion_tokens=emitted, cached_tokens=cached)
+        return worker_pb2.DecodeChunk(usage=usage, transfer=transfer)
+
+    async def Decode(self, request, context):  # type: ignore[no-untyped-def]
+        self.seen.record(request, context)
+        self.started.set()
+        if self.fail_kv_transfer and request.HasField("kv_transfer_params"):
+            await context.send_initial_metadata((("x-pdserve-error", "kv_transfer_failed"),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted KV pull failure")
+        finished = False
+
+        def on_done(_: object) -> None:
+            # A cancel may land while the stream waits to send, where the generator body
+            # never sees a CancelledError: the RPC ending unfinished is the signal.
+            if not finished:
+                self.cancelled.set()
+
+        context.add_done_callback(on_done)
+        limit = request.params.max_tokens or len(self.pieces)
+        pieces = self.pieces[:limit]
+        try:
+            for i, (token_id, text) in enumerate(pieces):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                chunk = worker_pb2.DecodeChunk(token_ids=[token_id], text=text)
+                if i == len(pieces) - 1:
+                    chunk.MergeFrom(self._final(request, len(pieces)))
+                    chunk.finish_reason = "stop" if len(pieces) == len(self.pieces) else "length"
+                yield chunk
+            finished = True
+        finally:
+            if not finished:
+                self.cancelled.set()
+
+    async def Abort(self, request, context):  # type: ignore[no-untyped-def]
+        return self.seen.abort(request.request_id)
+
+    async def GetCapabilities(self, request, context):  # type: ignore[no-untyped-def]
+        return self.caps
+
+
+async def start_worker(servicer: FakePrefill | FakeDecode) -> GrpcServer:
+    """Serve ``servicer`` on a free loopback port (``server.port``)."""
+    if isinstance(servicer, FakePrefill):
+        add = worker_pb2_grpc.add_PrefillWorkerServicer_to_server
+        name = "pdserve.v1.PrefillWorker"
+    else:
+        add = worker_pb2_grpc.add_DecodeWorkerServicer_to_server  # type: ignore[assignment]
+        name = "pdserve.v1.DecodeWorker"
+    server = GrpcServer("127.0.0.1", 0, [lambda s: add(servicer, s)], [name])  # type: ignore[arg-type]
+    await server.start()
+    return server

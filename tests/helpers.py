@@ -1,0 +1,133 @@
+"""Shared test helpers: free ports, the prepared default model, an in-process gateway cluster."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.config import GatewaySettings
+from gateway.server import GatewayServer
+from gateway.tokenizer import HfTokenizer
+from pdserve.grpc_server import GrpcServer
+from pdserve.settings import default_model_dir
+from tests.fakes import FakeDecode, FakePrefill, start_worker
+
+MODEL_WAIT_S = 900.0
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dead_address() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+@functools.cache
+def model_dir() -> str:
+    """The prepared default model; waits while another process is still preparing it."""
+    path = default_model_dir()
+    deadline = time.monotonic() + MODEL_WAIT_S
+    while not (path / "pdserve-manifest.json").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"default model not prepared in {path}: run `pdserve model prepare`")
+        time.sleep(2)
+    return str(path)
+
+
+@functools.cache
+def tokenizer() -> HfTokenizer:
+    return HfTokenizer(model_dir())
+
+
+def served_name() -> str:
+    return Path(model_dir()).name
+
+
+@dataclass
+class Cluster:
+    gateway: GatewayServer
+    prefill: FakePrefill | None
+    decode: FakeDecode | None
+    servers: dict[str, GrpcServer]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.gateway.grpc_port}"
+
+    def openai(self) -> Any:
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@asynccontextmanager
+async def gateway_cluster(
+    *,
+    prefill: FakePrefill | bool | None = True,
+    decode: FakeDecode | bool | None = True,
+    extra_prefill: list[str] | None = None,
+    extra_decode: list[str] | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Cluster]:
+    """Fake workers on free ports plus a real gateway (HTTP and gRPC on free ports).
+
+    ``True`` makes a default fake, ``None``/``False`` none; ``extra_*`` adds more addresses
+    (e.g. ``dead_address()``).
+    """
+    p = FakePrefill() if prefill is True else prefill or None
+    d = FakeDecode() if decode is True else decode or None
+    servers: dict[str, GrpcServer] = {}
+    for name, fake in (("prefill", p), ("decode", d)):
+        if fake is not None:
+            servers[name] = await start_worker(fake)
+    settings = GatewaySettings(
+        http_host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        model=model_dir(),
+        prefill_workers=_addresses(servers, "prefill") + (extra_prefill or []),
+        decode_workers=_addresses(servers, "decode") + (extra_decode or []),
+        health_interval_s=overrides.pop("health_interval_s", 30.0),
+        control_timeout_s=overrides.pop("control_timeout_s", 1.0),
+        **overrides,
+    )
+    gateway = GatewayServer(settings, tokenizer=tokenizer())
+    await gateway.start()
+    try:
+        yield Cluster(gateway, p, d, servers)
+    finally:
+        await gateway.stop(grace_s=0)
+        for server in servers.values():
+            await server.stop(0)
+
+
+def _addresses(servers: dict[str, GrpcServer], role: str) -> list[str]:
+    return [f"127.0.0.1:{servers[role].port}"] if role in servers else []
+
+
+def parse_sse(body: str) -> list[Any]:
+    """The events of an SSE body, each ``data:`` payload JSON-decoded ("[DONE]" kept as is).
+
+    Asserts the framing: every event is one ``data: ...`` line followed by a blank line."""
+    assert body.endswith("\n\n"), body[-50:]
+    events = []
+    for block in body[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

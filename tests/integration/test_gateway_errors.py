@@ -1,0 +1,142 @@
+"""Errors of the gateway's HTTP API: OpenAI-shaped JSON with the right status, never a 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tests.fakes import FakeDecode, FakePrefill
+from tests.helpers import dead_address, gateway_cluster, served_name
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["x-request-id"]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return dict(error)
+
+
+async def _post(base_url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        return await http.post(path, json=body, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+        ({"messages": CHAT, "temperature": -1}, "temperature"),
+        ({"messages": CHAT, "top_p": 1.5}, "top_p"),
+        ({"messages": CHAT, "max_tokens": "many"}, "max_tokens"),
+        ({"messages": CHAT, "n": 2}, "n"),
+        ({"messages": CHAT, "logprobs": True}, "logprobs"),
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
+        ({}, "messages"),
+    ],
+)
+async def test_bad_chat_bodies_are_400(body: dict, param: str | None) -> None:
+    async with gateway_cluster() as c:
+        response = await _post(c.base_url, "/v1/chat/completions", body)
+    error = assert_openai_error(response, 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert c.decode is not None and not c.decode.seen.requests
+
+
+async def test_bad_completion_bodies_are_400() -> None:
+    async with gateway_cluster() as c:
+        json_header = {"content-type": "application/json"}
+        not_json = await _post(
+            c.base_url, "/v1/completions", None, content=b"{not json", headers=json_header
+        )
+        not_object = await _post(c.base_url, "/v1/completions", ["prompt"])
+        no_prompt = await _post(c.base_url, "/v1/completions", {"max_tokens": 3})
+        empty = await _post(c.base_url, "/v1/completions", {"prompt": ""})
+        two = await _post(c.base_url, "/v1/completions", {"prompt": ["a", "b"]})
+        bad_id = await _post(c.base_url, "/v1/completions", {"prompt": [1, 10**9]})
+        logprobs = await _post(c.base_url, "/v1/completions", {"prompt": "x", "logprobs": 2})
+    assert "JSON" in assert_openai_error(not_json, 400)["message"]
+    assert "JSON object" in assert_openai_error(not_object, 400)["message"]
+    assert_openai_error(no_prompt, 400, "prompt")
+    assert_openai_error(empty, 400, "prompt")
+    assert_openai_error(two, 400, "prompt")
+    assert "vocabulary" in assert_openai_error(bad_id, 400, "prompt")["message"]
+    assert_openai_error(logprobs, 400, "logprobs")
+
+
+async def test_unknown_model_is_404() -> None:
+    async with gateway_cluster() as c:
+        response = await _post(
+            c.base_url, "/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}
+        )
+        client = c.openai()
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="gpt-4o", messages=CHAT)  # type: ignore[arg-type]
+        await client.close()
+    error = assert_openai_error(response, 404, "model")
+    assert error["code"] == "model_not_found"
+    assert "gpt-4o" in error["message"]
+
+
+async def test_prompt_too_long_is_400() -> None:
+    prefill, decode = FakePrefill(max_model_len=32), FakeDecode(max_model_len=32)
+    async with gateway_cluster(prefill=prefill, decode=decode) as c:
+        long_chat = [{"role": "user", "content": "word " * 100}]
+        too_long = await _post(
+            c.base_url, "/v1/chat/completions", {"model": served_name(), "messages": long_chat}
+        )
+        too_many = await _post(
+            c.base_url, "/v1/completions", {"prompt": "Hello", "max_tokens": 1000, "stream": True}
+        )
+        client = c.openai()
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=served_name(), messages=long_chat)  # type: ignore[arg-type]
+        await client.close()
+    error = assert_openai_error(too_long, 400, "messages")
+    assert error["code"] == "context_length_exceeded" and "32" in error["message"]
+    assert_openai_error(too_many, 400, "max_tokens")
+    assert not prefill.seen.requests and not decode.seen.requests
+
+
+async def test_no_decode_worker_is_503_and_unhealthy() -> None:
+    async with gateway_cluster(decode=None, extra_decode=[dead_address()]) as c:
+        chat = await _post(c.base_url, "/v1/chat/completions", {"messages": CHAT})
+        stream = await _post(c.base_url, "/v1/completions", {"prompt": "x", "stream": True})
+        async with httpx.AsyncClient(base_url=c.base_url) as http:
+            health = await http.get("/health")
+            metrics = (await http.get("/metrics")).text
+    assert assert_openai_error(chat, 503)["code"] == "no_worker_available"
+    assert_openai_error(stream, 503)
+    assert health.status_code == 503
+    labels = 'endpoint="chat_completions",outcome="unavailable",path="none"'
+    assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
+
+
+async def test_unknown_route_and_method_are_openai_shaped() -> None:
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        missing = await http.get("/v1/nothing")
+        wrong_method = await http.get("/v1/chat/completions")
+    assert_openai_error(missing, 404)
+    assert_openai_error(wrong_method, 405)
+
+
+async def test_worker_refusing_the_request_is_400_not_a_fallback() -> None:
+    prefill = FakePrefill()
+    prefill.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+    async with gateway_cluster(prefill=prefill) as c:
+        response = await _post(c.base_url, "/v1/chat/completions", {"messages": CHAT})
+    error = assert_openai_error(response, 400)
+    assert "scripted prefill failure" in error["message"]
+    assert c.decode is not None and not c.decode.seen.requests
