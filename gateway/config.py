@@ -65,7 +65,36 @@ class GatewaySettings(BaseSettings):
         description="max_tokens when a request has none (0: up to the context length)",
     )
     picker: str = Field(
-        default="round_robin", description="routing picker (gateway.routing.PICKERS)"
+        default="auto",
+        description="routing picker (gateway.routing.PICKERS); auto: prefix with a redis_url, "
+        "else round_robin",
+    )
+    redis_url: str = Field(
+        default="",
+        description="Redis: discover workers from its registry and route on its prefix index",
+    )
+    redis_prefix: str = Field(default="pdserve", description="key prefix of pdserve in Redis")
+    discovery_interval_s: float = Field(
+        default=2.0, gt=0, description="how often the worker registry is read"
+    )
+    hash_seed: int = Field(
+        default=42, ge=0, le=4294967295, description="block-hash seed; must equal the workers'"
+    )
+    disagg_min_uncached_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="conditional disaggregation: a prompt whose part not cached on the decode "
+        "worker is at most this many tokens is computed there (0: always use a prefill worker)",
+    )
+    prefix_weight: float = Field(
+        default=1.0, ge=0, description="routing score weight of the cached share of the prompt"
+    )
+    load_weight: float = Field(
+        default=1.0, ge=0, description="routing score weight of a worker's load"
+    )
+    routing_headers: bool = Field(
+        default=True,
+        description="say where a request went (x-pdserve-*-worker headers, gRPC trailers)",
     )
 
     @field_validator("prefill_workers", "decode_workers", mode="before")
@@ -86,9 +115,14 @@ class GatewaySettings(BaseSettings):
     def _check_picker(self) -> GatewaySettings:
         from gateway.routing import PICKERS
 
-        if self.picker not in PICKERS:
-            raise ValueError(f"unknown picker {self.picker!r}; known: {sorted(PICKERS)}")
+        if self.picker != "auto" and self.picker not in PICKERS:
+            raise ValueError(f"unknown picker {self.picker!r}; known: auto, {sorted(PICKERS)}")
         return self
+
+    def picker_name(self) -> str:
+        if self.picker != "auto":
+            return self.picker
+        return "prefix" if self.redis_url else "round_robin"
 
     def model_dir(self) -> str:
         """The tokenizer's directory: ``model``, or the default model when empty."""

@@ -106,6 +106,24 @@ class Generation:
         self._last_token_at: float | None = None
         self._completion_tokens = 0
         self._done = False
+        self._predicted = route.predicted_cached_tokens
+        self._held: list[AnyWorker] = [w for w in (route.prefill, route.decode) if w is not None]
+        for worker in self._held:
+            worker.in_flight += 1
+
+    def _release_workers(self) -> None:
+        for worker in self._held:
+            worker.in_flight -= 1
+        self._held = []
+
+    def routing_headers(self) -> dict[str, str]:
+        """Where the request went (empty when the deployment hides its topology)."""
+        if not self._settings.routing_headers:
+            return {}
+        return {
+            "x-pdserve-prefill-worker": self.prefill.worker_id if self.prefill else LOCAL_PREFILL,
+            "x-pdserve-decode-worker": self.decode.worker_id,
+        }
 
     async def open(self) -> None:
         """Prefill, start the decode stream and wait for its first chunk."""
@@ -153,6 +171,9 @@ class Generation:
             self._prefill_failed(worker, err)
             return None
         self._metrics.prefill_seconds.observe(time.monotonic() - started)
+        if self._predicted is not None:  # the prefill worker's cache vs the router's guess
+            self._metrics.prediction(self._predicted, response.cached_tokens)
+            self._predicted = None
         if not response.HasField("kv_transfer_params"):
             log.warning(
                 "request %s: prefill worker %s returned no kv_transfer_params; the "
@@ -188,6 +209,7 @@ class Generation:
             self._touched.remove(self.prefill)
         self.prefill = None
         self.path = PATH_LOCAL
+        self._predicted = None  # the prediction was for the prefill worker's cache
         self._metrics.fallbacks.labels(reason).inc()
 
     async def _next_chunk(self) -> worker_pb2.DecodeChunk | None:
@@ -266,7 +288,10 @@ class Generation:
         if transfer.kv_blocks_received:
             self._metrics.kv_seconds.observe(transfer.kv_transfer_seconds)
         self._done = True
+        self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
+        if self._predicted is not None:  # local path: the decode worker's cache
+            self._metrics.prediction(self._predicted, usage.cached_tokens)
         return Finish(
             finish_reason=chunk.finish_reason,
             stop_reason=chunk.stop_reason,
@@ -286,6 +311,7 @@ class Generation:
         if self._done:
             return
         self._done = True
+        self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
         if self._touched:
             self._abort(list(self._touched), self.request_id)

@@ -90,6 +90,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 if isinstance(event, TokenDelta):
                     yield generate_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
                 else:
+                    context.set_trailing_metadata(tuple(generation.routing_headers().items()))
                     yield _final(event)
         except GatewayError as err:
             await _abort(context, err)

@@ -174,14 +174,18 @@ async def _serve(
     if result is None:
         return Response(status_code=499)
     text, finish = result
-    return JSONResponse(shaper.full_response(text, finish))
+    return JSONResponse(shaper.full_response(text, finish), headers=generation.routing_headers())
 
 
 class _GenerationStream(StreamingResponse):
     """SSE of one generation; releases it even if streaming never started (client gone)."""
 
     def __init__(self, generation: Generation, shaper: fmt.ChunkShaper) -> None:
-        super().__init__(_sse(generation, shaper), media_type="text/event-stream")
+        super().__init__(
+            _sse(generation, shaper),
+            media_type="text/event-stream",
+            headers=generation.routing_headers(),
+        )
         self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

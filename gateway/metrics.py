@@ -71,5 +71,47 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.decisions = Counter(
+            "pdserve_gateway_routing_decisions",
+            "Routing decisions by picker and path (disaggregated or local).",
+            ["picker", "path"],
+            registry=r,
+        )
+        self.index_lookup_seconds = Histogram(
+            "pdserve_gateway_prefix_index_lookup_seconds",
+            "Duration of one prefix-index lookup (all candidate workers, one round trip).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.index_errors = Counter(
+            "pdserve_gateway_prefix_index_errors",
+            "Lookups that found the prefix index unreachable (routed by load only).",
+            registry=r,
+        )
+        self.predictions = Counter(
+            "pdserve_gateway_prefix_predictions",
+            "Predicted vs actual cached prompt tokens of the computing worker, per request: "
+            "exact, over (predicted more) or under.",
+            ["result"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "pdserve_gateway_predicted_cached_tokens",
+            "Prompt tokens the router predicted the computing worker's cache would serve.",
+            registry=r,
+        )
+        self.actual_tokens = Counter(
+            "pdserve_gateway_actual_cached_tokens",
+            "Prompt tokens the computing worker reported served from its cache.",
+            registry=r,
+        )
+
+    def prediction(self, predicted: int, actual: int) -> None:
+        """Record one routing prediction against what the worker reported."""
+        result = "exact" if predicted == actual else ("over" if predicted > actual else "under")
+        self.predictions.labels(result).inc()
+        self.predicted_tokens.inc(predicted)
+        self.actual_tokens.inc(actual)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

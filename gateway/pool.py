@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
 from pdserve.grpc_client import RpcCallError
+from pdserve.kvindex.interfaces import WorkerRecord
 from prefill_service.client import PrefillClient
 from protos.v1 import worker_pb2
 
@@ -37,10 +38,25 @@ class Worker(Generic[C]):
     capabilities: worker_pb2.Capabilities | None = None
     healthy: bool = False
     last_error: str = ""
+    discovered: bool = False  # from the Redis registry (else from the static lists)
+    in_flight: int = 0  # this gateway's requests on the worker now
+    reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
 
     @property
     def role_name(self) -> str:
         return "prefill" if self.role == worker_pb2.ROLE_PREFILL else "decode"
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's own name (its key in the prefix index); the address until known."""
+        return self.capabilities.worker_id if self.capabilities else self.address
+
+    def load(self) -> float:
+        """Requests on the worker: this gateway's in flight plus what the engine queues."""
+        queued = self.reported_load.get("waiting", 0.0)
+        if not self.reported_load and self.capabilities is not None:
+            queued = float(self.capabilities.load.waiting)
+        return self.in_flight + queued
 
 
 PrefillWorker = Worker[PrefillClient]
@@ -137,6 +153,64 @@ class WorkerPool:
             log.warning("%s worker %s is unhealthy: %s", worker.role_name, worker.address, why)
         worker.healthy = healthy
         worker.last_error = why
+
+    async def reconcile(self, records: Sequence[WorkerRecord]) -> None:
+        """Match the discovered workers to the registry's live ones: add new, drop gone."""
+        alive = {(r.role, r.address): r for r in records if r.role in ("prefill", "decode")}
+        everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        known = {(w.role_name, w.address): w for w in everyone}
+        added: list[PrefillWorker | DecodeWorker] = []
+        for key, record in alive.items():
+            worker = known.get(key)
+            if worker is None:
+                worker = self._add(record)
+                added.append(worker)
+            worker.reported_load = dict(record.load)
+        for key, worker in known.items():
+            if worker.discovered and key not in alive:
+                self._drop(worker)
+        if added:
+            await asyncio.gather(*(self._refresh_one(w) for w in added))
+            self._check_compat()
+        self._notify()
+
+    def _add(self, record: WorkerRecord) -> PrefillWorker | DecodeWorker:
+        timeout = self.settings.control_timeout_s
+        log.info("discovered %s worker %s at %s", record.role, record.worker_id, record.address)
+        if record.role == "prefill":
+            p = Worker(
+                record.address,
+                worker_pb2.ROLE_PREFILL,
+                PrefillClient(record.address, default_timeout_s=timeout),
+                discovered=True,
+            )
+            self.prefill.append(p)
+            return p
+        d = Worker(
+            record.address,
+            worker_pb2.ROLE_DECODE,
+            DecodeClient(record.address, default_timeout_s=timeout),
+            discovered=True,
+        )
+        self.decode.append(d)
+        return d
+
+    def _drop(self, worker: PrefillWorker | DecodeWorker) -> None:
+        """Stop routing to a worker whose heartbeat expired; close its channel later, after
+        any request still on it has had the time a request may take."""
+        log.warning(
+            "%s worker %s left the registry; no longer routing to it",
+            worker.role_name,
+            worker.address,
+        )
+        worker.healthy = False
+        if worker in self.prefill:
+            self.prefill.remove(worker)  # type: ignore[arg-type]
+        if worker in self.decode:
+            self.decode.remove(worker)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.request_timeout_s,
+                        lambda: loop.create_task(worker.client.close()))  # fmt: skip
 
     def mark_failed(self, worker: PrefillWorker | DecodeWorker, why: str) -> None:
         """Skip ``worker`` until the next successful capabilities refresh."""

@@ -6,9 +6,12 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gateway.config import GatewaySettings
 from gateway.errors import NoWorkerAvailable
 from gateway.interfaces import CompatibilityCheck, Picker
+from gateway.metrics import GatewayMetrics
 from gateway.pool import DecodeWorker, PrefillWorker
+from pdserve.kvindex.interfaces import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -22,10 +25,24 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Route:
-    """The chosen workers; ``prefill`` None: the decode worker computes the prompt."""
+    """The chosen workers; ``prefill`` None: the decode worker computes the prompt.
+
+    ``predicted_cached_tokens``: what the picker expects the computing worker's prefix cache
+    to serve (None: no prediction); compared with what the worker reports.
+    """
 
     prefill: PrefillWorker | None
     decode: DecodeWorker
+    predicted_cached_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class PickerContext:
+    """What a picker factory may use."""
+
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    index: PrefixIndex | None = None
 
 
 class RoundRobinPicker:
@@ -33,7 +50,7 @@ class RoundRobinPicker:
 
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, context: PickerContext | None = None) -> None:
         self._decode_turn = itertools.count()
         self._prefill_turn = itertools.count()
 
@@ -53,11 +70,18 @@ class RoundRobinPicker:
         return Route(prefill=fits[next(self._prefill_turn) % len(fits)], decode=chosen)
 
 
+def _prefix_picker(context: PickerContext) -> Picker:
+    from gateway.prefix_routing import PrefixPicker
+
+    return PrefixPicker(context)
+
+
 # Name -> factory; GatewaySettings.picker selects one.
-PICKERS: dict[str, Callable[[], Picker]] = {
+PICKERS: dict[str, Callable[[PickerContext], Picker]] = {
     RoundRobinPicker.name: RoundRobinPicker,
+    "prefix": _prefix_picker,
 }
 
 
-def make_picker(name: str) -> Picker:
-    return PICKERS[name]()
+def make_picker(name: str, context: PickerContext) -> Picker:
+    return PICKERS[name](context)

@@ -18,14 +18,16 @@ import uvicorn
 from grpc_health.v1 import health_pb2
 
 from gateway.config import GatewaySettings
+from gateway.discovery import RegistryDiscovery
 from gateway.grpc_api import SERVICE_NAME, GenerationServicer
 from gateway.http import create_app
 from gateway.interfaces import PromptTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
-from gateway.routing import make_picker
+from gateway.routing import PickerContext, make_picker
 from gateway.service import GenerationService
 from pdserve.grpc_server import GrpcServer
+from pdserve.kvindex.redis_store import RedisStore
 from protos.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,11 @@ class GatewayServer:
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._grpc: GrpcServer | None = None
+        self.store: RedisStore | None = None
+        self.discovery: RegistryDiscovery | None = None
+        if settings.redis_url:
+            self.store = RedisStore(settings.redis_url, prefix=settings.redis_prefix)
+            self.discovery = RegistryDiscovery(self.pool, self.store, settings.discovery_interval_s)
 
     def _build_service(self) -> GenerationService:
         model_dir = self.settings.model_dir()
@@ -86,13 +93,18 @@ class GatewayServer:
             model_name=self.settings.model_name(model_dir),
             tokenizer=self._tokenizer,
             pool=self.pool,
-            picker=make_picker(self.settings.picker),
+            picker=make_picker(
+                self.settings.picker_name(),
+                PickerContext(self.settings, self.metrics, index=self.store),
+            ),
             metrics=self.metrics,
         )
 
     async def start(self) -> None:
         service = self.service = self._build_service()
         await self.pool.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         await self._start_http(service)
         servicer = GenerationServicer(service)
         self._grpc = GrpcServer(
@@ -151,5 +163,9 @@ class GatewayServer:
             await self._grpc.stop(grace_s)
         if self.service is not None:
             await self.service.close()
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.pool.close()
+        if self.store is not None:
+            await self.store.close()
         log.info("gateway stopped")

@@ -173,7 +173,10 @@ class GenerationService:
         if not decode:
             raise NoWorkerAvailable("no healthy decode worker")
         route_request = RouteRequest(request.request_id, self.model_name, token_ids)
-        return await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
+        route = await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
+        path = "disaggregated" if route.prefill is not None else "local"
+        self.metrics.decisions.labels(self.picker.name, path).inc()
+        return route
 
     def abort_later(self, workers: Sequence[AnyWorker], request_id: str) -> None:
         """Send ``Abort`` to ``workers`` from a background task (safe under cancellation)."""

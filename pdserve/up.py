@@ -221,6 +221,7 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
         "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
         # "=": an empty list (no prefill workers) stays an explicit empty value.
         "--prefill-workers=" + ",".join(prefill), "--decode-workers=" + ",".join(decode),
+        *(["--redis-url", s.redis_url] if s.redis_url else []),
     )  # fmt: skip
     # Ready when the gateway itself sees every worker, so no first request goes local.
     expect = {"healthy_prefill_workers": s.prefill, "healthy_decode_workers": s.decode}

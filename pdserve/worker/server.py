@@ -47,7 +47,7 @@ def grpc_code(exc: WorkerError) -> grpc.StatusCode:
 async def fail(context: grpc.aio.ServicerContext, exc: WorkerError) -> NoReturn:
     """End the RPC with the status that matches ``exc`` (the one mapping for workers)."""
     if isinstance(exc, KVTransferFailed):
-        await context.send_initial_metadata((("x-pdserve-error", "kv_transfer_failed"),))
+        await context.send_initial_metadata(((ERROR_REASON_METADATA, "kv_transfer_failed"),))
     await context.abort(grpc_code(exc), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
 

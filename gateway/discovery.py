@@ -1,0 +1,54 @@
+"""Worker discovery from the Redis registry: workers announce themselves with a heartbeat,
+the gateway reads the live ones every ``discovery_interval_s`` and reconciles its pool. While
+Redis is unreachable the pool keeps the workers it knows (and their health checks go on)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.pool import WorkerPool
+from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class RegistryDiscovery:
+    def __init__(self, pool: WorkerPool, registry: WorkerRegistry, interval_s: float) -> None:
+        self.pool = pool
+        self.registry = registry
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._down = False
+
+    async def start(self) -> None:
+        await self.sync()
+        self._task = asyncio.create_task(self._loop(), name="gateway-discovery")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def sync(self) -> None:
+        try:
+            records = await self.registry.alive_workers()
+        except IndexUnavailable as exc:
+            if not self._down:
+                log.warning("worker registry unreachable (%s); keeping the known workers", exc)
+            self._down = True
+            return
+        if self._down:
+            log.info("worker registry reachable again")
+        self._down = False
+        await self.pool.reconcile(records)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.sync()
+            except Exception:  # a bug here must not end discovery for good
+                log.exception("worker discovery failed; retrying")
