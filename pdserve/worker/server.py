@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import grpc
 
 from pdserve import __version__
+from pdserve.grpc_client import ERROR_REASON_METADATA
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.errors import (

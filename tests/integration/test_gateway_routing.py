@@ -69,7 +69,8 @@ async def fleet(redis_url: str, prefill: list[str], decode: list[str], **overrid
     fakes_p = {name: FakePrefill(cached_tokens=0) for name in prefill}
     fakes_d = {name: FakeDecode() for name in decode}
     servers = {}
-    for name, fake in [*fakes_p.items(), *fakes_d.items()]:
+    fakes: list[tuple[str, FakePrefill | FakeDecode]] = [*fakes_p.items(), *fakes_d.items()]
+    for name, fake in fakes:
         fake.caps.worker_id = name
         servers[name] = await start_worker(fake)
     settings = GatewaySettings(

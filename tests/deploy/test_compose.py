@@ -1,0 +1,207 @@
+"""docker compose: the file validates with a real compose implementation (Debian's
+docker-compose 1.29, `config`), and the policies hold on the interpolated result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy.support import (
+    COMPOSE_FILE,
+    DOCKERFILES,
+    IMAGES,
+    SHM_HEADROOM_GIB,
+    compose_config,
+    default,
+    dockerfile_env,
+    gib,
+)
+
+PROFILE_ARGS = [(), ("--profile", "gpu"), ("--profile", "observability")]
+EXAMPLE_ENV = COMPOSE_FILE.parent / ".env.example"
+MAIN_STACK = {"redis", "model-prepare", "prefill", "decode", "gateway"}
+GPU_STACK = {"model-prepare-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu"}
+OBSERVABILITY = {"otel-collector", "prometheus", "grafana"}
+# Services that cannot have a Docker health check, and why.
+NO_HEALTHCHECK = {
+    "model-prepare": "one-shot; dependants wait for service_completed_successfully",
+    "model-prepare-gpu": "one-shot; dependants wait for service_completed_successfully",
+    "otel-collector": "distroless image: no shell or client to run a check with",
+}
+
+
+def services(*args: str) -> dict[str, dict[str, Any]]:
+    return dict(compose_config(*args)["services"])
+
+
+def image_kind(service: dict[str, Any]) -> str | None:
+    """The kind ("cpu" or "gpu") of a service on a pdserve image; None for other images."""
+    for kind, image in IMAGES.items():
+        if service["image"] == image:
+            return kind
+    return None
+
+
+def role(service: dict[str, Any]) -> str:
+    return str(service["command"][0])
+
+
+@pytest.mark.parametrize("args", PROFILE_ARGS, ids=["default", "gpu", "observability"])
+def test_compose_file_is_valid(args: tuple[str, ...]) -> None:
+    assert set(services(*args)) == MAIN_STACK | GPU_STACK | OBSERVABILITY
+
+
+def test_example_env_file_interpolates() -> None:
+    with_example = services("--env-file", str(EXAMPLE_ENV))
+    assert with_example == services(), ".env.example must spell out the defaults"
+
+
+def test_profiles() -> None:
+    svc = services()
+    assert all("profiles" not in svc[name] for name in MAIN_STACK), "the CPU stack is the default"
+    assert all(svc[name]["profiles"] == ["gpu"] for name in GPU_STACK)
+    assert all(svc[name]["profiles"] == ["observability"] for name in OBSERVABILITY)
+
+
+def test_images_and_builds_agree() -> None:
+    for name, svc in services().items():
+        kind = image_kind(svc)
+        if kind is None:
+            assert name in {"redis"} | OBSERVABILITY, f"{name} uses {svc['image']}"
+            assert ":" in svc["image"] and not svc["image"].endswith(":latest"), name
+            continue
+        assert (name in GPU_STACK) == (kind == "gpu"), name
+        build = svc["build"]
+        assert Path(build["context"]).resolve() == COMPOSE_FILE.parents[2]
+        assert Path(build["dockerfile"]).name == DOCKERFILES[kind].name
+
+
+def test_health_checks_and_startup_order() -> None:
+    svc = services()
+    for name, s in svc.items():
+        if name in NO_HEALTHCHECK:
+            assert "healthcheck" not in s
+            continue
+        assert s["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+        if image_kind(s):
+            assert s["healthcheck"]["test"][-1] == "/opt/pdserve/healthcheck.py", name
+        for dep, cond in s.get("depends_on", {}).items():
+            wanted = "service_healthy" if dep not in NO_HEALTHCHECK else None
+            if dep.startswith("model-prepare"):
+                wanted = "service_completed_successfully"
+            if wanted:
+                assert cond["condition"] == wanted, (name, dep)
+    for gateway, suffix in (("gateway", ""), ("gateway-gpu", "-gpu")):
+        deps = svc[gateway]["depends_on"]
+        for dep in ("redis", f"prefill{suffix}", f"decode{suffix}"):
+            assert deps[dep]["condition"] == "service_healthy", (gateway, dep)
+    for worker in ("prefill", "decode", "prefill-gpu", "decode-gpu"):
+        assert svc[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_resource_limits_and_non_root() -> None:
+    for name, s in services().items():
+        limits = s.get("deploy", {}).get("resources", {}).get("limits", {})
+        assert "cpus" in limits and "memory" in limits, f"{name}: no cpu/memory limit"
+        if image_kind(s) is None:  # ours run as the image's USER (test_dockerfiles)
+            uid = str(s.get("user", "0")).split(":")[0]
+            assert uid.isdigit() and int(uid) != 0, f"{name} must run as a non-root user"
+        else:
+            assert "user" not in s, f"{name}: keep the image's non-root user"
+
+
+def _env(s: dict[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in s.get("environment", {}).items()}
+
+
+def test_workers_bind_all_interfaces_and_advertise_their_service_name() -> None:
+    for name, s in services().items():
+        if image_kind(s) is None or role(s) not in ("prefill", "decode"):
+            continue
+        env, p = _env(s), f"PDSERVE_{role(s).upper()}_"
+        assert env[p + "HOST"] == "0.0.0.0"
+        assert env[p + "ADVERTISE_HOST"] == name
+        assert env[p + "PORT"] == str(default(role(s), "port"))
+        assert env[p + "REDIS_URL"] == "redis://redis:6379/0"
+        if role(s) == "prefill" and env[p + "KV_CONNECTOR"] == "pdserve":
+            assert env[p + "KV_BIND_HOST"] == "0.0.0.0"
+            assert env[p + "KV_PORT"] == str(default("prefill", "kv_port"))
+
+
+def _container_port(port: Any) -> int:
+    """The container side of a ports entry ("127.0.0.1:8000:8000/tcp" or the long form)."""
+    if isinstance(port, dict):
+        return int(port["target"])
+    return int(str(port).rsplit(":", 1)[1].split("/")[0])
+
+
+def test_gateways_point_at_their_workers() -> None:
+    svc = services()
+    for gateway, suffix in (("gateway", ""), ("gateway-gpu", "-gpu")):
+        env = _env(svc[gateway])
+        assert env["PDSERVE_GATEWAY_HTTP_HOST"] == "0.0.0.0"
+        prefill, decode = f"prefill{suffix}", f"decode{suffix}"
+        assert env["PDSERVE_GATEWAY_PREFILL_WORKERS"] == f"{prefill}:{default('prefill', 'port')}"
+        assert env["PDSERVE_GATEWAY_DECODE_WORKERS"] == f"{decode}:{default('decode', 'port')}"
+        assert env["PDSERVE_GATEWAY_REDIS_URL"] == "redis://redis:6379/0"
+        published = {_container_port(p) for p in svc[gateway]["ports"]}
+        assert all(str(p).startswith("127.0.0.1:") for p in svc[gateway]["ports"]), "no API keys"
+        assert published == {default("gateway", "http_port"), default("gateway", "grpc_port")}
+        assert env["PDSERVE_GATEWAY_HTTP_PORT"] == str(default("gateway", "http_port"))
+        assert env["PDSERVE_GATEWAY_GRPC_PORT"] == str(default("gateway", "grpc_port"))
+
+
+def test_cpu_workers_have_shared_memory_for_the_kv_cache() -> None:
+    for name, s in services().items():
+        if image_kind(s) != "cpu" or role(s) not in ("prefill", "decode"):
+            continue
+        env, p = _env(s), f"PDSERVE_{role(s).upper()}_"
+        assert env[p + "KV_CONNECTOR"] == "pdserve"
+        kv = float(env.get(p + "KV_CACHE_GIB", default(role(s), "kv_cache_gib")))
+        shm = gib(s["shm_size"])
+        assert shm >= kv + SHM_HEADROOM_GIB, f"{name}: shm_size {s['shm_size']} < KV cache {kv}"
+        memory = gib(s["deploy"]["resources"]["limits"]["memory"])
+        assert memory > shm, f"{name}: /dev/shm counts against the memory limit"
+        assert env[p + "CPU_CORES"], f"{name}: pin each engine to its own cores"
+    cores = {
+        _env(s).get(f"PDSERVE_{role(s).upper()}_CPU_CORES")
+        for n, s in services().items()
+        if n in ("prefill", "decode")
+    }
+    assert len(cores) == 2, "two engines on the same cores halve each other's speed"
+
+
+def test_gpu_workers() -> None:
+    svc = services("--profile", "gpu")
+    for name in ("prefill-gpu", "decode-gpu"):
+        s = svc[name]
+        env, p = _env(s), f"PDSERVE_{role(s).upper()}_"
+        assert env[p + "KV_CONNECTOR"] == "nixl"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == name
+        (device,) = s["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert s.get("ipc") == "host" or gib(s.get("shm_size", "0")) >= 8
+    gpus = [
+        svc[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for n in ("prefill-gpu", "decode-gpu")
+    ]
+    assert gpus[0] != gpus[1], "one GPU per worker by default"
+
+
+def test_model_cache_is_a_named_volume_at_the_cache_dir() -> None:
+    config = compose_config()
+    assert "model-cache" in config["volumes"]
+    for name, s in config["services"].items():
+        kind = image_kind(s)
+        if kind is None:
+            continue
+        cache = dockerfile_env(DOCKERFILES[kind])["PDSERVE_CACHE_DIR"]
+        volumes = [
+            v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in s["volumes"]
+        ]
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in volumes}
+        assert mounts.get(cache) == "model-cache", f"{name}: model-cache not at {cache}"
+        read_only = any(v.endswith(":ro") for v in volumes if v.split(":")[1] == cache)
+        assert read_only == (s["command"][0] != "model"), f"{name}: only model prepare writes"

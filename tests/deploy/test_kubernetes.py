@@ -1,0 +1,295 @@
+"""Kubernetes manifests: every kustomization renders with real kustomize, every object validates
+against the Kubernetes schemas, and the policies hold on what is rendered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from tests.deploy.support import (
+    IMAGES,
+    KUSTOMIZATIONS,
+    OVERLAYS,
+    SHM_HEADROOM_GIB,
+    VERSION,
+    component,
+    container_env,
+    default,
+    gib,
+    ingress_allowed,
+    kustomize,
+    labels_match,
+    objects,
+    pod_spec,
+    workloads,
+)
+
+# The oldest Kubernetes we support (native gRPC probes are GA since 1.27) and the newest schemas.
+SCHEMA_VERSIONS = ["1.29.0", "1.37.0"]
+PDSERVE_COMPONENTS = {"gateway", "prefill", "decode"}
+WORKER_PORTS = {"prefill": default("prefill", "port"), "decode": default("decode", "port")}
+
+
+def pdserve_containers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (component(w), c)
+        for w in workloads(docs)
+        if component(w) in PDSERVE_COMPONENTS
+        for c in pod_spec(w)["containers"]
+    ]
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_objects_validate_against_kubernetes_schemas(path: str, version: str) -> None:
+    docs = kustomize(path)
+    assert docs, f"{path} rendered nothing"
+    errors = []
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']}: {err.message} at {err.path}")
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_overlay_has_every_part(path: str) -> None:
+    docs = kustomize(path)
+    deployments = objects(docs, "Deployment")
+    assert {"pdserve-gateway", "pdserve-prefill", "pdserve-decode"} <= set(deployments)
+    assert "redis" in objects(docs, "StatefulSet")
+    assert {"pdserve-gateway", "redis"} <= set(objects(docs, "Service"))
+    assert "pdserve-gateway" in objects(docs, "HorizontalPodAutoscaler")
+    assert "pdserve-gateway" in objects(docs, "PodDisruptionBudget")
+    assert "pdserve-api-keys" in objects(docs, "Secret")
+    assert len(objects(docs, "NetworkPolicy")) >= 4
+    assert all(
+        d["metadata"].get("namespace") == "pdserve" for d in docs if d["kind"] != "Namespace"
+    )
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_every_container_has_probes_resources_and_runs_as_non_root(path: str) -> None:
+    problems = []
+    for w in workloads(kustomize(path)):
+        name, pod = w["metadata"]["name"], pod_spec(w)
+        pod_sc = pod.get("securityContext", {})
+        if pod.get("enableServiceLinks") is not False:  # would inject PDSERVE_*_PORT=tcp://...
+            problems.append(f"{name}: enableServiceLinks is not false")
+        if pod.get("automountServiceAccountToken") is not False:
+            problems.append(f"{name}: mounts a service account token it does not use")
+        for c in pod["containers"] + pod.get("initContainers", []):
+            where = f"{name}/{c['name']}"
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe not in c:
+                    problems.append(f"{where}: no {probe}")
+            for kind in ("requests", "limits"):
+                for resource in ("cpu", "memory"):
+                    if resource not in c.get("resources", {}).get(kind, {}):
+                        problems.append(f"{where}: no {resource} {kind}")
+            sc = {**pod_sc, **c.get("securityContext", {})}
+            if sc.get("runAsNonRoot") is not True or not sc.get("runAsUser"):
+                problems.append(f"{where}: not runAsNonRoot with a non-zero runAsUser")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: allowPrivilegeEscalation is not false")
+            if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+                problems.append(f"{where}: capabilities not dropped")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_images_are_the_pdserve_release(path: str) -> None:
+    want = IMAGES["gpu" if path.endswith("gpu") else "cpu"]
+    images = {c["image"] for _, c in pdserve_containers(kustomize(path))}
+    assert images == {want}
+    base = {c["image"] for _, c in pdserve_containers(kustomize("base"))}
+    assert base == {"pdserve"}, "base keeps the placeholder that overlays set"
+    labels = {d["metadata"]["labels"].get("app.kubernetes.io/version") for d in kustomize("base")}
+    assert labels == {VERSION}
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_ports_and_probes_agree_with_the_settings_defaults(path: str) -> None:
+    for role, c in pdserve_containers(kustomize(path)):
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert c["args"][0] == role
+        if role == "gateway":
+            http, grpc_port = default("gateway", "http_port"), default("gateway", "grpc_port")
+            assert ports["http"] == http and ports["grpc"] == grpc_port
+            assert c["startupProbe"]["grpc"]["port"] == grpc_port
+            assert c["livenessProbe"]["grpc"]["port"] == grpc_port
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        else:
+            assert ports["grpc"] == WORKER_PORTS[role]
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"]["port"] == WORKER_PORTS[role], (role, probe)
+                assert "service" not in c[probe]["grpc"], "workers report health on service ''"
+            # Loading takes minutes: the startup probe must allow at least 5 of them.
+            startup = c["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+        if role == "prefill":
+            assert ports["kv"] == default("prefill", "kv_port")
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_workers_bind_all_interfaces_and_advertise_the_pod_ip(path: str) -> None:
+    docs = kustomize(path)
+    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    for role, c in pdserve_containers(docs):
+        env = container_env(docs, c)
+        prefix = f"PDSERVE_{role.upper()}_"
+        if role == "gateway":
+            assert env[prefix + "HTTP_HOST"] == "0.0.0.0"
+            assert env[prefix + "HTTP_PORT"] == str(default("gateway", "http_port"))
+            assert env[prefix + "GRPC_PORT"] == str(default("gateway", "grpc_port"))
+        else:
+            assert env[prefix + "HOST"] == "0.0.0.0"
+            assert env[prefix + "PORT"] == str(WORKER_PORTS[role])
+            assert env[prefix + "ADVERTISE_HOST"] == pod_ip
+        if role == "prefill":
+            assert env[prefix + "KV_BIND_HOST"] == "0.0.0.0"
+            assert env[prefix + "KV_PORT"] == str(default("prefill", "kv_port"))
+        # Kubernetes discovery is through Redis: no static worker lists.
+        assert not {k for k in env if k.endswith("_WORKERS")}, role
+        if path != "base":
+            assert env[prefix + "REDIS_URL"] == "redis://redis:6379/0"
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_shared_memory_holds_the_kv_cache(path: str) -> None:
+    docs = kustomize(path)
+    for w in workloads(docs):
+        role = component(w)
+        if role not in WORKER_PORTS:
+            continue
+        pod = pod_spec(w)
+        (c,) = pod["containers"]
+        env = container_env(docs, c)
+        prefix = f"PDSERVE_{role.upper()}_"
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+        assert shm["medium"] == "Memory"
+        if env.get(prefix + "KV_CONNECTOR", default(role, "kv_connector")) == "pdserve":
+            kv = float(env.get(prefix + "KV_CACHE_GIB", default(role, "kv_cache_gib")))
+            assert gib(shm["sizeLimit"]) >= kv + SHM_HEADROOM_GIB, (path, role)
+        memory = gib(c["resources"]["limits"]["memory"])
+        assert memory > gib(shm["sizeLimit"]), f"{role}: /dev/shm counts against memory"
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_selectors_and_references_resolve(path: str) -> None:
+    docs = kustomize(path)
+    by_name = {w["metadata"]["name"]: w for w in workloads(docs)}
+    labels = {name: w["spec"]["template"]["metadata"]["labels"] for name, w in by_name.items()}
+    for name, w in by_name.items():
+        assert labels_match(w["spec"]["selector"], labels[name]), name
+        if component(w) in WORKER_PORTS:
+            assert labels[name]["pdserve/role"] == component(w), "workers carry a role label"
+    for name, svc in objects(docs, "Service").items():
+        selector = {"matchLabels": svc["spec"]["selector"]}
+        targets = [w for w in by_name if labels_match(selector, labels[w])]
+        assert targets, f"Service {name} selects no pods"
+        named = {
+            p["name"]
+            for w in targets
+            for c in pod_spec(by_name[w])["containers"]
+            for p in c.get("ports", [])
+        }
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in named, f"Service {name}: no port {port['targetPort']}"
+    for name, pdb in objects(docs, "PodDisruptionBudget").items():
+        assert any(labels_match(pdb["spec"]["selector"], pod) for pod in labels.values()), name
+    for name, hpa in objects(docs, "HorizontalPodAutoscaler").items():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in objects(docs, "Deployment"), name
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_gateway_service_exposes_http_and_grpc(path: str) -> None:
+    svc = objects(kustomize(path), "Service")["pdserve-gateway"]
+    ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    assert ports == {
+        "http": default("gateway", "http_port"),
+        "grpc": default("gateway", "grpc_port"),
+    }
+
+
+def _labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {component(w): w["spec"]["template"]["metadata"]["labels"] for w in workloads(docs)}
+
+
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_network_policies(path: str) -> None:
+    docs = kustomize(path)
+    policies = list(objects(docs, "NetworkPolicy").values())
+    pods = _labels(docs)
+    outsider = {"app": "something-else"}
+    gw, pf, dc, redis = pods["gateway"], pods["prefill"], pods["decode"], pods["redis"]
+    http, grpc_port = default("gateway", "http_port"), default("gateway", "grpc_port")
+    p_grpc, d_grpc, kv = (
+        WORKER_PORTS["prefill"],
+        WORKER_PORTS["decode"],
+        default("prefill", "kv_port"),
+    )
+
+    def allowed(src: dict[str, str], dst: dict[str, str], port: int) -> bool:
+        return ingress_allowed(policies, src, dst, port)
+
+    # Clients reach the gateway, and nothing else.
+    assert allowed(outsider, gw, http) and allowed(outsider, gw, grpc_port)
+    for dst, port in [(pf, p_grpc), (dc, d_grpc), (pf, kv), (redis, 6379)]:
+        assert not allowed(outsider, dst, port), (dst, port)
+    # Only the gateway reaches the workers' gRPC ports.
+    assert allowed(gw, pf, p_grpc) and allowed(gw, dc, d_grpc)
+    assert not allowed(gw, pf, kv), "the gateway has no business on the KV port"
+    # Only workers reach the prefill workers' KV port.
+    assert allowed(dc, pf, kv) and allowed(pf, pf, kv)
+    assert not allowed(redis, pf, kv)
+    # Everything of ours reaches Redis.
+    assert all(allowed(src, redis, 6379) for src in (gw, pf, dc))
+    if path.endswith("gpu"):  # UCX picks its ports at run time: workers reach each other freely
+        assert allowed(dc, pf, 40000) and allowed(pf, dc, 40000)
+        assert not allowed(gw, pf, 40000)
+    else:
+        assert not allowed(dc, pf, 40000)
+
+
+def test_cpu_overlay_fits_one_box() -> None:
+    docs = kustomize("overlays/cpu")
+    deployments = objects(docs, "Deployment")
+    for name in ("pdserve-gateway", "pdserve-prefill", "pdserve-decode"):
+        assert deployments[name]["spec"]["replicas"] == 1
+    for name in ("pdserve-prefill", "pdserve-decode"):
+        assert deployments[name]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+        (c,) = pod_spec(deployments[name])["containers"]
+        assert c["resources"]["requests"] == c["resources"]["limits"], "Guaranteed QoS"
+        assert "nvidia.com/gpu" not in c["resources"]["limits"]
+        env = container_env(docs, c)
+        assert env[f"PDSERVE_{component(deployments[name]).upper()}_KV_CONNECTOR"] == "pdserve"
+
+
+def test_gpu_overlay() -> None:
+    docs = kustomize("overlays/gpu")
+    deployments = objects(docs, "Deployment")
+    for name in ("pdserve-prefill", "pdserve-decode"):
+        d = deployments[name]
+        role = component(d)
+        assert d["spec"]["replicas"] >= 2, "xPyD: more than one worker per role"
+        pod = pod_spec(d)
+        (c,) = pod["containers"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+        env = container_env(docs, c)
+        assert env[f"PDSERVE_{role.upper()}_KV_CONNECTOR"] == "nixl"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+    gateway = pod_spec(deployments["pdserve-gateway"])
+    assert "nvidia.com/gpu" not in gateway["containers"][0]["resources"]["limits"]
