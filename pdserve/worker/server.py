@@ -123,8 +123,10 @@ async def serve(
     load = Load()
     link = IndexLink(settings, load) if settings.redis_url else None
     try:
-        engine = start_engine(
-            settings, model, kv_events=link.kv_events_config() if link else None,
+        # Off the event loop: loading takes a while, and meanwhile health checks must be
+        # answered (NOT_SERVING) and signals handled.
+        engine = await asyncio.to_thread(
+            start_engine, settings, model, kv_events=link.kv_events_config() if link else None,
             stat_loggers=[stat_logger_for(load)],
         )  # fmt: skip
     except Exception as exc:  # startup policy: any engine failure ends the worker, clearly
