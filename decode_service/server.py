@@ -22,7 +22,13 @@ def to_chunk(event: DecodeEvent) -> worker_pb2.DecodeChunk:
         chunk.logprobs.add(
             token_id=token,
             logprob=logprob,
-            top=[worker_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+        )
+    for token, logprob, top in event.prompt_logprobs:
+        chunk.prompt_logprobs.add(
+            token_id=token,
+            logprob=logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
         )
     if event.finish_reason:
         chunk.finish_reason = event.finish_reason

@@ -27,6 +27,7 @@ class DecodeEvent:
     token_ids: list[int]
     text: str
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str = ""
     stop_reason: str = ""
     prompt_tokens: int = 0
@@ -35,11 +36,26 @@ class DecodeEvent:
     transfer: dict[str, Any] = field(default_factory=dict)
 
 
-def _logprobs(completion: Any, start: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+Logprobs = list[tuple[int, float, list[tuple[int, float]]]]
+
+
+def _logprobs(completion: Any, start: int) -> Logprobs:
     if not completion.logprobs:
         return []
+    return _ranked(completion.token_ids, completion.logprobs[start:])
+
+
+def _prompt_logprobs(output: Any, token_ids: list[int]) -> Logprobs:
+    """Entry i is prompt token i+1 (vLLM has none for the first prompt token)."""
+    ranked = list(output.prompt_logprobs or [])[1:]
+    return _ranked(token_ids[1:], ranked) if ranked else []
+
+
+def _ranked(tokens: Any, per_token: Any) -> Logprobs:
     out = []
-    for token, ranked in zip(completion.token_ids, completion.logprobs[start:], strict=False):
+    for token, ranked in zip(tokens, per_token, strict=False):
+        if ranked is None:
+            continue
         top = sorted(ranked.items(), key=lambda kv: kv[1].rank or 0)
         chosen = ranked.get(token)
         out.append(
@@ -80,6 +96,7 @@ class DecodeService(WorkerService):
             raise
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         generated = 0
+        first = True
         with self.counted():
             async for output in self.engine.generate(prompt, sampling, request_id):
                 completion = output.outputs[0]
@@ -89,6 +106,9 @@ class DecodeService(WorkerService):
                     text=completion.text,
                     logprobs=_logprobs(completion, 0),
                 )
+                if first and params.HasField("prompt_logprobs"):
+                    event.prompt_logprobs = _prompt_logprobs(output, token_ids)
+                first = False
                 if output.finished:
                     self._finish(event, output, len(token_ids), generated)
                 yield event

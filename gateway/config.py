@@ -97,7 +97,25 @@ class GatewaySettings(BaseSettings):
         description="say where a request went (x-pdserve-*-worker headers, gRPC trailers)",
     )
 
-    @field_validator("prefill_workers", "decode_workers", mode="before")
+    api_keys: WorkerList = Field(
+        default=[],
+        description="API keys clients must send (Authorization: Bearer KEY), comma-separated; "
+        "empty with no api_keys_file: no authentication",
+    )
+    api_keys_file: str = Field(
+        default="", description="file with one API key per line (blank lines and # ignored)"
+    )
+    max_concurrent_requests: int = Field(
+        default=0,
+        ge=0,
+        description="generations in progress at most (each of n choices counts); more are "
+        "answered 429 / RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=0, description="Retry-After (seconds) sent with 429 answers"
+    )
+
+    @field_validator("prefill_workers", "decode_workers", "api_keys", mode="before")
     @classmethod
     def _addresses(cls, value: Any) -> Any:
         return _split_addresses(value)

@@ -56,3 +56,25 @@ class WorkerFailed(GatewayError):
         self.worker = worker
         # The worker's own word on the cause, e.g. "kv_transfer_failed" (may be empty).
         self.reason = reason
+
+
+class Unauthenticated(GatewayError):
+    """No or a wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+    code = "invalid_api_key"
+
+
+class Overloaded(GatewayError):
+    """The gateway runs ``max_concurrent_requests`` already (HTTP 429, RESOURCE_EXHAUSTED)."""
+
+    code = "too_many_requests"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(GatewayError):
+    """The client's deadline passed before the request finished (gRPC DEADLINE_EXCEEDED)."""
+
+    code = "deadline_exceeded"

@@ -33,10 +33,12 @@ KV_TRANSFER_FAILED = "kv_transfer_failed"  # a worker's x-pdserve-error reason
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """Newly generated tokens and their text (text may be empty while a character is partial)."""
+    """Newly generated tokens and their text (text may be empty while a character is partial);
+    ``logprobs`` one per token when the request asked for them."""
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Generation:
         pool: WorkerPool,
         metrics: GatewayMetrics,
         abort: AbortFn,
+        on_end: Callable[[], None] | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.endpoint = endpoint
@@ -100,6 +104,12 @@ class Generation:
         self._pool = pool
         self._metrics = metrics
         self._abort = abort
+        self._on_end = on_end
+        self._timeout_s = settings.request_timeout_s
+        if deadline_s is not None:
+            self._timeout_s = max(0.001, min(self._timeout_s, deadline_s))
+        # Prompt logprobs (entry i: prompt token i+1), when params.prompt_logprobs is set.
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
         self._touched: list[AnyWorker] = []
         self._stream: AsyncGenerator[worker_pb2.DecodeChunk, None] | None = None
         self._first: worker_pb2.DecodeChunk | None = None
@@ -115,6 +125,9 @@ class Generation:
         for worker in self._held:
             worker.in_flight -= 1
         self._held = []
+        if self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
+            on_end()
 
     def routing_headers(self) -> dict[str, str]:
         """Where the request went (empty when the deployment hides its topology)."""
@@ -150,9 +163,11 @@ class Generation:
             self.token_ids,
             self.params,
             handoff,
-            timeout=self._settings.request_timeout_s,
+            timeout=self._timeout_s,
         )
         self._first = await self._next_chunk()
+        if self._first is not None:
+            self.prompt_logprobs = list(self._first.prompt_logprobs)
 
     async def _prefill(self) -> worker_pb2.KvTransferParams | None:
         worker = self.prefill
@@ -165,7 +180,7 @@ class Generation:
                 self.request_id,
                 self.token_ids,
                 self.params,
-                timeout=self._settings.prefill_timeout_s,
+                timeout=min(self._settings.prefill_timeout_s, self._timeout_s),
             )
         except RpcCallError as err:
             self._prefill_failed(worker, err)
@@ -271,7 +286,7 @@ class Generation:
                     self._metrics.itl.labels(self.path).observe(per_token)
             self._last_token_at = now
             self._completion_tokens += count
-        return TokenDelta(tuple(chunk.token_ids), chunk.text)
+        return TokenDelta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs))
 
     async def _finish(self, chunk: worker_pb2.DecodeChunk) -> Finish:
         if chunk.finish_reason == "error":

@@ -1,22 +1,30 @@
 """The public gRPC API (``pdserve.v1.Generation``): translation only, the work is in the core.
 
 The request id comes from the ``x-request-id`` metadata (or is made here) and is sent back as
-initial metadata. ``_abort`` is the one mapping of domain errors to gRPC status codes.
+initial metadata; an API key, when the gateway has keys, comes as ``authorization: Bearer KEY``
+metadata (checked by ``gateway.auth``). The client's deadline bounds the worker calls; a client
+that cancels (or whose deadline passes) cancels the generation, which aborts the workers.
+``status_code`` is the one mapping of domain errors to gRPC status codes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
+from gateway.auth import ApiKeys
 from gateway.errors import (
+    DeadlineExceeded,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
     NoWorkerAvailable,
+    Overloaded,
+    Unauthenticated,
     WorkerFailed,
 )
 from gateway.generation import Finish, TokenDelta
@@ -27,21 +35,45 @@ from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+AUTHORIZATION_METADATA = "authorization"
+
+_CODES: list[tuple[type[GatewayError], grpc.StatusCode]] = [
+    (ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (NoWorkerAvailable, grpc.StatusCode.UNAVAILABLE),
+    (WorkerFailed, grpc.StatusCode.UNAVAILABLE),
+]
 
 
 def status_code(err: GatewayError) -> grpc.StatusCode:
-    if isinstance(err, ModelNotFound):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(err, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(err, NoWorkerAvailable | WorkerFailed):
-        return grpc.StatusCode.UNAVAILABLE
+    for kind, code in _CODES:
+        if isinstance(err, kind):
+            return code
     return grpc.StatusCode.INTERNAL
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
     await context.abort(status_code(err), err.message)
     raise AssertionError("context.abort returned")  # it always raises
+
+
+def _messages(chat: generate_pb2.ChatMessages) -> tuple[dict[str, Any], ...]:
+    return tuple({"role": m.role, "content": m.content} for m in chat.messages)
+
+
+def _tools(tools_json: str) -> tuple[dict[str, Any], ...] | None:
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as err:
+        raise InvalidRequest(f"tools_json is not JSON: {err}", param="tools_json") from err
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequest("tools_json must be a JSON array of objects", param="tools_json")
+    return tuple(tools)
 
 
 def _prompt(request: generate_pb2.GenerateRequest) -> Prompt:
@@ -51,8 +83,7 @@ def _prompt(request: generate_pb2.GenerateRequest) -> Prompt:
     if kind == "token_ids":
         return Prompt(token_ids=tuple(request.token_ids.ids))
     if kind == "chat":
-        messages = tuple({"role": m.role, "content": m.content} for m in request.chat.messages)
-        return Prompt(messages=messages)
+        return Prompt(messages=_messages(request.chat), tools=_tools(request.tools_json))
     raise InvalidRequest("the request has no input (text, token_ids or chat)", param="input")
 
 
@@ -64,6 +95,7 @@ def _final(event: Finish) -> generate_pb2.GenerateResponse:
     )
     return generate_pb2.GenerateResponse(
         finish_reason=event.finish_reason,
+        stop_reason=event.stop_reason,
         usage=usage,
         prefill_worker=event.prefill_worker,
         decode_worker=event.decode_worker,
@@ -72,23 +104,39 @@ def _final(event: Finish) -> generate_pb2.GenerateResponse:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, service: GenerationService, api_keys: ApiKeys | None = None) -> None:
         self.service = service
+        self.api_keys = api_keys or ApiKeys(())
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> dict[str, str]:
+        metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
+        try:
+            self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
+        except Unauthenticated as err:
+            await _abort(context, err)
+        return metadata
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        metadata = dict(context.invocation_metadata() or ())
+        metadata = await self._authorize(context)
         request_id = edge_request_id(metadata.get(REQUEST_ID_METADATA))
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
         try:
             core = GenerateRequest(
-                request_id, _prompt(request), request.params, request.model, "grpc_generate"
+                request_id,
+                _prompt(request),
+                request.params,
+                request.model,
+                "grpc_generate",
+                deadline_s=context.time_remaining(),
             )
             generation = await self.service.start(core)
             async for event in generation.events():
                 if isinstance(event, TokenDelta):
-                    yield generate_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
+                    yield generate_pb2.GenerateResponse(
+                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                    )
                 else:
                     context.set_trailing_metadata(tuple(generation.routing_headers().items()))
                     yield _final(event)
@@ -98,8 +146,25 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ListModelsResponse:
+        await self._authorize(context)
         models = [
             generate_pb2.Model(id=m.id, max_model_len=m.max_model_len)
             for m in self.service.models()
         ]
         return generate_pb2.ListModelsResponse(models=models)
+
+    async def Tokenize(
+        self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.TokenizeResponse:
+        await self._authorize(context)
+        try:
+            self.service.check_model(request.model)
+            if request.WhichOneof("input") == "chat":
+                ids = self.service.tokenize(Prompt(messages=_messages(request.chat)))
+            else:
+                ids = self.service.tokenizer.encode_text(request.text)
+        except GatewayError as err:
+            await _abort(context, err)
+        return generate_pb2.TokenizeResponse(
+            token_ids=ids, count=len(ids), max_model_len=self.service.pool.max_model_len()
+        )

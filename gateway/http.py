@@ -1,58 +1,45 @@
 """The OpenAI-compatible HTTP API (FastAPI): translation only, the work is in the core.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``stream: true`` SSE),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every response carries ``x-request-id``
-(the client's, when sane, else a new one). Errors are OpenAI-shaped JSON
-``{"error": {"message", "type", "param", "code"}}``; ``error_response`` is the one mapping from
-domain errors to HTTP status.
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``
+and the OpenAPI document at ``/openapi.json``. Every response carries ``x-request-id`` (the
+client's, when sane, else a new one). Errors are OpenAI-shaped JSON
+``{"error": {"message", "type", "param", "code"}}`` (``gateway.http_errors``). With API keys
+configured, every route except ``/health``, ``/metrics`` and ``/openapi.json`` needs
+``Authorization: Bearer <key>`` (checked by ``gateway.auth``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openai_format as fmt
-from gateway.errors import (
-    GatewayError,
-    InvalidRequest,
-    ModelNotFound,
-    NoWorkerAvailable,
-    WorkerFailed,
-)
-from gateway.generation import Finish, Generation, TokenDelta
+from gateway.auth import ApiKeys
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
+from gateway.generation import Generation
+from gateway.http_errors import ERROR_RESPONSES, error_response
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.openai_serving import OpenAIResponder
 from gateway.service import GenerateRequest, GenerationService, edge_request_id
+from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REQUEST_ID_HEADER = "x-request-id"
-
-
-def _status_and_type(err: GatewayError) -> tuple[int, str]:
-    if isinstance(err, ModelNotFound):
-        return 404, "invalid_request_error"
-    if isinstance(err, InvalidRequest):
-        return 400, "invalid_request_error"
-    if isinstance(err, NoWorkerAvailable | WorkerFailed):
-        return 503, "service_unavailable_error"
-    return 500, "server_error"
-
-
-def error_response(err: GatewayError) -> JSONResponse:
-    """The one mapping of domain errors to HTTP status and OpenAI error type."""
-    status, kind = _status_and_type(err)
-    return JSONResponse(fmt.error_body(err.message, kind, err.param, err.code), status)
+_bearer = HTTPBearer(auto_error=False, description="an API key, when the gateway has keys")
 
 
 class RequestIdMiddleware:
@@ -77,37 +64,63 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(service: GenerationService) -> FastAPI:
+def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
+    keys = api_keys or ApiKeys(())
 
-    @app.post("/v1/completions", response_model=None)
+    async def authorize(
+        request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+    ) -> None:
+        keys.check(request.headers.get("authorization"))
+
+    api = APIRouter(dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
+    _add_generation_routes(api, service)
+    _add_token_routes(api, service)
+    app.include_router(api)
+    _add_open_routes(app, service)
+    return app
+
+
+def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
+    @api.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        core = GenerateRequest(
-            _request_id(request),
-            body.to_prompt(),
-            body.sampling_params(),
-            body.model or "",
-            "completions",
+        params = body.sampling_params()
+        parent = GenerateRequest(
+            _request_id(request), body.prompts()[0], params, body.model or "", "completions"
         )
-        return await _serve(service, request, core, body.stream, body.include_usage, chat=False)
+        specs = choice_specs(parent, body.prompts(), body.n)
+        return await _serve(service, request, specs, body, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @api.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        core = GenerateRequest(
+        parent = GenerateRequest(
             _request_id(request),
             body.to_prompt(),
             body.sampling_params(),
             body.model or "",
             "chat_completions",
         )
-        return await _serve(service, request, core, body.stream, body.include_usage, chat=True)
+        specs = choice_specs(parent, [parent.prompt], body.n)
+        return await _serve(service, request, specs, body, chat=True)
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fmt.models_body(service.models())
 
+
+def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
+    @api.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenize(service, body)
+
+    @api.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(service, body)
+
+
+def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = len(service.pool.healthy_decode())
@@ -121,8 +134,6 @@ def create_app(service: GenerationService) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -156,75 +167,47 @@ def _request_id(request: Request) -> str:
 async def _serve(
     service: GenerationService,
     request: Request,
-    core: GenerateRequest,
-    stream: bool,
-    include_usage: bool,
+    specs: list[ChoiceSpec],
+    body: CompletionRequest | ChatCompletionRequest,
     *,
     chat: bool,
 ) -> Response:
     shaper = fmt.ChunkShaper(
-        core.request_id, service.model_name, chat=chat, include_usage=include_usage
+        _request_id(request), service.model_name, chat=chat, include_usage=body.include_usage
     )
-    generation = await _unless_disconnected(request, service.start(core))
-    if generation is None:
+    generations = await _unless_disconnected(request, start_all(service, specs))
+    if generations is None:
         return Response(status_code=499)
-    if stream:
-        return _GenerationStream(generation, shaper)
-    result = await _unless_disconnected(request, _collect(generation))
+    responder = OpenAIResponder(
+        service,
+        shaper,
+        specs,
+        generations,
+        echo=isinstance(body, CompletionRequest) and body.echo,
+        logprobs=body.logprobs_count(),
+    )
+    if body.stream:
+        return _GenerationStream(responder)
+    result = await _unless_disconnected(request, responder.whole())
     if result is None:
         return Response(status_code=499)
-    text, finish = result
-    return JSONResponse(shaper.full_response(text, finish), headers=generation.routing_headers())
+    return JSONResponse(result, headers=responder.routing_headers())
 
 
 class _GenerationStream(StreamingResponse):
-    """SSE of one generation; releases it even if streaming never started (client gone)."""
+    """SSE of a request's choices; releases them even if streaming never started."""
 
-    def __init__(self, generation: Generation, shaper: fmt.ChunkShaper) -> None:
+    def __init__(self, responder: OpenAIResponder) -> None:
         super().__init__(
-            _sse(generation, shaper),
-            media_type="text/event-stream",
-            headers=generation.routing_headers(),
+            responder.sse(), media_type="text/event-stream", headers=responder.routing_headers()
         )
-        self.generation = generation
+        self.generations = responder.generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.generation.aclose()  # no-op after a complete stream
-
-
-async def _collect(generation: Generation) -> tuple[str, Finish]:
-    parts: list[str] = []
-    finish: Finish | None = None
-    async for event in generation.events():  # to the end, so that the generator closes
-        if isinstance(event, TokenDelta):
-            parts.append(event.text)
-        else:
-            finish = event
-    if finish is None:
-        raise WorkerFailed("the generation ended without a finish")
-    return "".join(parts), finish
-
-
-async def _sse(generation: Generation, shaper: fmt.ChunkShaper) -> AsyncIterator[str]:
-    """SSE lines: role first (chat), deltas, finish, usage (if asked), ``[DONE]``."""
-    try:
-        for chunk in shaper.opening():
-            yield fmt.sse(chunk)
-        async for event in generation.events():
-            if isinstance(event, TokenDelta):
-                if event.text:
-                    yield fmt.sse(shaper.delta(event.text))
-            else:
-                for chunk in shaper.closing(event):
-                    yield fmt.sse(chunk)
-    except GatewayError as err:
-        # The status line is gone already: report in-band, as vLLM does.
-        _, kind = _status_and_type(err)
-        yield fmt.sse(fmt.error_body(err.message, kind, err.param, err.code))
-    yield "data: [DONE]\n\n"
+            await close_all(self.generations)  # no-op after complete streams
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -249,7 +232,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
         log.info("request %s: client disconnected", _request_id(request))
         if not task.cancelled() and task.exception() is None:
             result = task.result()  # finished in the same instant: release it
-            if isinstance(result, Generation):
-                await result.aclose()
+            if isinstance(result, list) and all(isinstance(g, Generation) for g in result):
+                await close_all(result)
         return None
     return task.result()

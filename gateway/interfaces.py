@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from gateway.pool import DecodeWorker, PrefillWorker
@@ -55,7 +55,17 @@ class PromptTokenizer(Protocol):
         """Completions prompt; special tokens (BOS) added as the model's tokenizer does."""
         ...
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Chat messages ({"role", "content"}) rendered with the chat template, generation
-        prompt appended, encoded without extra special tokens."""
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Chat messages ({"role", "content", ...}) rendered with the chat template (``tools``
+        passed to it), generation prompt appended, encoded without extra special tokens."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids -> text (special tokens kept)."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as shown in logprobs."""
         ...

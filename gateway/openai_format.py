@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.generation import Finish, Usage
@@ -66,6 +67,16 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str
+    finish: Finish
+    logprobs: dict[str, Any] | None = None
+
+
 class ChunkShaper:
     """Builds the JSON bodies of one completion (``chat`` or text), streamed or whole."""
 
@@ -89,53 +100,65 @@ class ChunkShaper:
         return body
 
     def _choice(
-        self, text: str | None, finish_reason: str | None = None, stop_reason: str | None = None
+        self,
+        index: int,
+        text: str | None,
+        logprobs: dict[str, Any] | None = None,
+        finish: Finish | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+        choice.update(
+            logprobs=logprobs,
+            finish_reason=finish.finish_reason if finish else None,
+            stop_reason=(finish.stop_reason or None) if finish else None,
+        )
         return choice
 
-    def opening(self) -> list[dict[str, Any]]:
-        """Chat streams start with the assistant role (empty content); text streams do not."""
+    def opening(self, count: int) -> list[dict[str, Any]]:
+        """Chat streams start with the assistant role (empty content) for every choice."""
         if not self.chat:
             return []
-        choice = self._choice("")
-        choice["delta"] = {"role": "assistant", "content": ""}
-        return [self._chunk([choice])]
-
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice(text)])
-
-    def closing(self, finish: Finish) -> list[dict[str, Any]]:
-        """The finish chunk, then (``stream_options.include_usage``) the usage-only chunk."""
-        last = self._choice(None, finish.finish_reason, finish.stop_reason or None)
-        chunks = [self._chunk([last])]
-        if self.include_usage:
-            usage = self._chunk([])
-            usage["usage"] = usage_body(finish.usage)
-            chunks.append(usage)
+        chunks = []
+        for index in range(count):
+            choice = self._choice(index, "")
+            choice["delta"] = {"role": "assistant", "content": ""}
+            chunks.append(self._chunk([choice]))
         return chunks
 
-    def full_response(self, text: str, finish: Finish) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(
-            logprobs=None,
-            finish_reason=finish.finish_reason,
-            stop_reason=finish.stop_reason or None,
-        )
+    def delta(self, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return self._chunk([self._choice(index, text, logprobs)])
+
+    def finish(self, index: int, finish: Finish) -> dict[str, Any]:
+        return self._chunk([self._choice(index, None if self.chat else "", None, finish)])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._chunk([])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def full_response(self, results: Sequence[ChoiceResult], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for result in sorted(results, key=lambda r: r.index):
+            choice: dict[str, Any] = {"index": result.index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            choice.update(
+                logprobs=result.logprobs,
+                finish_reason=result.finish.finish_reason,
+                stop_reason=result.finish.stop_reason or None,
+            )
+            choices.append(choice)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage_body(finish.usage),
+            "choices": choices,
+            "usage": usage_body(usage),
         }

@@ -1,13 +1,15 @@
-"""OpenAI request bodies (the subset the gateway serves) and their translation to the core.
+"""OpenAI request bodies (what vLLM's OpenAI server accepts for a text model) and their
+translation to the core.
 
-Unknown fields are ignored, as vLLM does; known but unsupported features (n > 1, logprobs,
-tools, logit_bias, echo, ...) are refused with a 400 naming the field rather than silently
-dropped.
+Unknown fields are ignored, as vLLM does; known but unsupported features (``suffix``,
+``best_of`` > 1, ``tool_choice`` "required" or a named function, non-text content parts) are
+refused with a 400 naming the field rather than silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,10 +17,25 @@ from gateway.errors import InvalidRequest
 from gateway.service import Prompt
 from protos.v1 import common_pb2
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_CHOICES = 64  # prompts x n in one request
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extra parameter (exactly one field)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -33,7 +50,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -44,6 +61,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
 
     @property
@@ -53,15 +72,17 @@ class _Sampling(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprobs_count(self) -> int | None:
+        """Alternatives per generated token, None: no logprobs."""
+        return None
+
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", param="n")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed with stream=true", param="stream_options"
             )
+        if self.stop_token_ids and any(t < 0 or t >= 2**32 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be token ids", param="stop_token_ids")
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         """The request's sampling fields as the worker contract's message."""
@@ -89,36 +110,123 @@ class _Sampling(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 setattr(params, name, value)
+        count = self.logprobs_count()
+        if count is not None:
+            params.logprobs = count
+        for token, bias in _logit_bias(self.logit_bias).items():
+            params.logit_bias[token] = bias
+        structured = _structured(self.response_format, self.structured_outputs)
+        if structured is not None:
+            params.structured_output.CopyFrom(structured)
         return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= 2**32:
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise InvalidRequest("logit_bias values must be in [-100, 100]", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _structured(
+    response_format: dict[str, Any] | None, extra: StructuredOutputs | None
+) -> common_pb2.StructuredOutput | None:
+    """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the worker message."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = (response_format or {}).get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format",
+            )
+        return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    if kind != "text":
+        raise InvalidRequest(
+            "response_format type must be 'text', 'json_object' or 'json_schema'",
+            param="response_format",
+        )
+    if extra is None:
+        return None
+    return _structured_extra(extra)
+
+
+def _structured_extra(extra: StructuredOutputs) -> common_pb2.StructuredOutput | None:
+    given = {
+        "json": extra.json_,
+        "regex": extra.regex,
+        "choice": extra.choice,
+        "grammar": extra.grammar,
+        "json_object": extra.json_object or None,
+    }
+    chosen = [k for k, v in given.items() if v is not None]
+    if len(chosen) > 1:
+        raise InvalidRequest(
+            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+            param="structured_outputs",
+        )
+    if not chosen:
+        return None
+    if extra.json_ is not None:
+        schema = extra.json_ if isinstance(extra.json_, str) else json.dumps(extra.json_)
+        return common_pb2.StructuredOutput(json_schema=schema)
+    if extra.regex is not None:
+        return common_pb2.StructuredOutput(regex=extra.regex)
+    if extra.choice is not None:
+        if not extra.choice:
+            raise InvalidRequest("structured_outputs.choice is empty", param="structured_outputs")
+        return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=extra.choice))
+    if extra.grammar is not None:
+        return common_pb2.StructuredOutput(grammar=extra.grammar)
+    return common_pb2.StructuredOutput(json_object=True)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs are not supported by this gateway yet", param="logprobs")
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise InvalidRequest("only best_of=1 is supported", param="best_of")
 
-    def to_prompt(self) -> Prompt:
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        params = super().sampling_params()
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
+
+    def prompts(self) -> list[Prompt]:
+        """One ``Prompt`` per prompt of the request (a list of strings or of id lists: many)."""
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise InvalidRequest("only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
         if isinstance(prompt, str):
-            return Prompt(text=prompt)
-        return Prompt(token_ids=tuple(prompt))
+            return [Prompt(text=prompt)]
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [Prompt(token_ids=tuple(prompt))]
+        if len(prompt) * self.n > MAX_CHOICES:
+            raise InvalidRequest(
+                f"at most {MAX_CHOICES} completions (prompts x n) per request", param="prompt"
+            )
+        return [
+            Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=tuple(p)) for p in prompt
+        ]
 
 
 class ContentPart(BaseModel):
@@ -133,6 +241,9 @@ class ChatMessage(BaseModel):
 
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -146,35 +257,50 @@ class ChatMessage(BaseModel):
         # vLLM joins text parts with newlines for string-content chat templates.
         return "\n".join(part.text or "" for part in self.content)
 
+    def for_template(self, index: int) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                message[key] = value
+        return message
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[FunctionTool] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequest("logprobs are not supported by this gateway yet", param="logprobs")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tool_choice is not supported", param="tool_choice")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
+        if self.tool_choice not in (None, "none", "auto"):
             raise InvalidRequest(
-                "only response_format type 'text' is supported", param="response_format"
+                "tool_choice 'required' or a named function is not supported: the gateway does "
+                "not parse or force tool calls; use 'auto' or 'none'",
+                param="tool_choice",
             )
+        if self.tool_choice == "auto" and not self.tools:
+            raise InvalidRequest("tool_choice 'auto' requires tools", param="tool_choice")
 
     def to_prompt(self) -> Prompt:
-        messages = tuple(
-            {"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)
-        )
-        return Prompt(messages=messages)
+        messages = tuple(m.for_template(i) for i, m in enumerate(self.messages))
+        tools = tuple(t.model_dump(exclude_none=True) for t in self.tools) if self.tools else None
+        return Prompt(messages=messages, tools=tools)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import uvicorn
 from grpc_health.v1 import health_pb2
 
+from gateway.auth import ApiKeys
 from gateway.config import GatewaySettings
 from gateway.discovery import RegistryDiscovery
 from gateway.grpc_api import SERVICE_NAME, GenerationServicer
@@ -67,6 +68,7 @@ class GatewayServer:
 
     def __init__(self, settings: GatewaySettings, tokenizer: PromptTokenizer | None = None):
         self.settings = settings
+        self.api_keys = ApiKeys.from_settings(settings)
         self._tokenizer = tokenizer
         self.metrics = GatewayMetrics()
         self.pool = WorkerPool(settings)
@@ -106,7 +108,7 @@ class GatewayServer:
         if self.discovery is not None:
             await self.discovery.start()
         await self._start_http(service)
-        servicer = GenerationServicer(service)
+        servicer = GenerationServicer(service, self.api_keys)
         self._grpc = GrpcServer(
             self.settings.http_host,
             self.settings.grpc_port,
@@ -129,7 +131,7 @@ class GatewayServer:
         sock = _bind(self.settings.http_host, self.settings.http_port)
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(service),
+            create_app(service, self.api_keys),
             log_config=None,
             lifespan="off",
             access_log=False,

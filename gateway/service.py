@@ -20,9 +20,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.config import GatewaySettings
-from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NoWorkerAvailable
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoWorkerAvailable,
+    Overloaded,
+)
 from gateway.generation import AnyWorker, Event, Generation, outcome_for
 from gateway.interfaces import Picker, PromptTokenizer
 from gateway.metrics import GatewayMetrics
@@ -47,11 +54,14 @@ def edge_request_id(candidate: str | None) -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Exactly one of: completion text, token ids (used as given), chat messages."""
+    """Exactly one of: completion text, token ids (used as given), chat messages.
+
+    ``tools`` (chat only): OpenAI tool definitions handed to the chat template."""
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    messages: tuple[Mapping[str, str], ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    tools: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class GenerateRequest:
     model: str = ""  # empty: the served model
     endpoint: str = "grpc_generate"  # metrics label
     received_at: float = field(default_factory=time.monotonic)
+    # Seconds the client still waits (gRPC deadline); None: only the gateway's own timeouts.
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ class GenerationService:
         self.picker = picker
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
+        self.active = 0  # generations admitted and not yet ended
 
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(self.model_name, self.pool.max_model_len())]
@@ -106,7 +119,8 @@ class GenerationService:
         try:
             self._check_model(request.model)
             check_sampling(request.params)
-            token_ids = self._tokenize(request.prompt)
+            self._admit()
+            token_ids = self.tokenize(request.prompt)
             params = resolve_max_tokens(
                 request.params,
                 len(token_ids),
@@ -114,10 +128,11 @@ class GenerationService:
                 self.settings.default_max_tokens,
                 prompt_param="messages" if request.prompt.messages is not None else "prompt",
             )
-            route = await self._route(request, token_ids)
+            route = await self._route(request, token_ids, params)
         except GatewayError as err:
             self.metrics.requests.labels(request.endpoint, "none", outcome_for(err)).inc()
             raise
+        self.active += 1
         generation = Generation(
             request_id=request.request_id,
             endpoint=request.endpoint,
@@ -129,6 +144,8 @@ class GenerationService:
             pool=self.pool,
             metrics=self.metrics,
             abort=self.abort_later,
+            on_end=self._ended,
+            deadline_s=request.deadline_s,
         )
         try:
             await generation.open()
@@ -140,15 +157,31 @@ class GenerationService:
             raise
         return generation
 
+    def _admit(self) -> None:
+        limit = self.settings.max_concurrent_requests
+        if limit and self.active >= limit:
+            raise Overloaded(
+                f"the gateway is at its limit of {limit} concurrent generations; retry later",
+                retry_after_s=self.settings.retry_after_s,
+            )
+
+    def _ended(self) -> None:
+        self.active -= 1
+
+    def check_model(self, model: str) -> None:
+        self._check_model(model)
+
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids as the workers will see them (checked, never empty)."""
         if prompt.messages is not None:
             if not prompt.messages:
                 raise InvalidRequest("messages must not be empty", param="messages")
-            return self.tokenizer.encode_chat([dict(m) for m in prompt.messages])
+            tools = [dict(t) for t in prompt.tools] if prompt.tools else None
+            return self.tokenizer.encode_chat([dict(m) for m in prompt.messages], tools=tools)
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
             vocab = self.tokenizer.vocab_size
@@ -165,8 +198,17 @@ class GenerationService:
             raise InvalidRequest("the prompt is empty", param="prompt")
         return ids
 
-    async def _route(self, request: GenerateRequest, token_ids: Sequence[int]) -> Route:
+    async def _route(
+        self,
+        request: GenerateRequest,
+        token_ids: Sequence[int],
+        params: common_pb2.SamplingParams,
+    ) -> Route:
         prefill = self.pool.healthy_prefill()
+        if params.HasField("prompt_logprobs"):
+            # vLLM computes prompt logprobs only for prompt tokens it runs itself, never for
+            # transferred KV: such requests take the local path on the decode worker.
+            prefill = []
         if self.pool.prefill and not prefill and self.settings.prefill_failure_policy == "fail":
             raise NoWorkerAvailable("no healthy prefill worker (prefill_failure_policy 'fail')")
         decode = self.pool.healthy_decode()

@@ -46,19 +46,33 @@ class HfTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The chat template applied to ``messages``, ready for the assistant's turn."""
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template applied to ``messages``, ready for the assistant's turn.
+
+        ``tools`` go to the template as vLLM passes them; a template that ignores them renders
+        the same text as without."""
         if not getattr(self._tok, "chat_template", None):
             raise InvalidRequest("this model has no chat template; use /v1/completions")
         try:
             text = self._tok.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
+                list(messages), tools=tools, add_generation_prompt=True, tokenize=False
             )
         except (TemplateError, ValueError, TypeError, KeyError) as err:  # e.g. bad roles
             message = f"cannot apply the chat template: {err}"
             raise InvalidRequest(message, param="messages") from err
         return str(text)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.render_chat(messages)
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        text = self.render_chat(messages, tools)
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (as vLLM shows it in logprobs)."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False))

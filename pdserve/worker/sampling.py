@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdserve.worker.errors import InvalidRequest
@@ -17,6 +18,7 @@ _OPTIONAL = (
     "frequency_penalty",
     "repetition_penalty",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
 )
@@ -39,8 +41,34 @@ def to_vllm(
     kwargs["stop_token_ids"] = list(params.stop_token_ids) or None
     kwargs["ignore_eos"] = params.ignore_eos
     kwargs["min_tokens"] = params.min_tokens
+    if params.logit_bias:
+        kwargs["logit_bias"] = {int(t): float(b) for t, b in params.logit_bias.items()}
+    if params.HasField("structured_output"):
+        kwargs["structured_outputs"] = _structured(params.structured_output)
     kwargs.update(extra)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(str(exc)) from exc
+
+
+def _structured(spec: common_pb2.StructuredOutput) -> Any:
+    """vLLM ``StructuredOutputsParams`` of one ``StructuredOutput`` (exactly one kind)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind = spec.WhichOneof("kind")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec.json_schema)
+        except ValueError as exc:
+            raise InvalidRequest(f"structured_output.json_schema is not JSON: {exc}") from exc
+        return StructuredOutputsParams(json=schema)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=spec.regex)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(spec.choice.choices))
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=spec.grammar)
+    return None

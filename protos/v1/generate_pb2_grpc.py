@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=protos_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.v1.Generation/Tokenize',
+                request_serializer=protos_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -63,6 +68,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt's token ids exactly as Generate would compute them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Generation:
             '/pdserve.v1.Generation/ListModels',
             protos_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
             protos_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/Tokenize',
+            protos_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,9 +39,15 @@ async def _post(base_url: str, path: str, body: Any, **kwargs: Any) -> httpx.Res
         ({"messages": CHAT, "temperature": -1}, "temperature"),
         ({"messages": CHAT, "top_p": 1.5}, "top_p"),
         ({"messages": CHAT, "max_tokens": "many"}, "max_tokens"),
-        ({"messages": CHAT, "n": 2}, "n"),
-        ({"messages": CHAT, "logprobs": True}, "logprobs"),
-        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": CHAT, "n": 0}, "n"),
+        ({"messages": CHAT, "n": 1000}, "n"),
+        ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
+        ({"messages": CHAT, "tool_choice": "required", "tools": []}, "tool_choice"),
+        ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
         ({}, "messages"),
@@ -64,16 +70,18 @@ async def test_bad_completion_bodies_are_400() -> None:
         not_object = await _post(c.base_url, "/v1/completions", ["prompt"])
         no_prompt = await _post(c.base_url, "/v1/completions", {"max_tokens": 3})
         empty = await _post(c.base_url, "/v1/completions", {"prompt": ""})
-        two = await _post(c.base_url, "/v1/completions", {"prompt": ["a", "b"]})
+        empty_list = await _post(c.base_url, "/v1/completions", {"prompt": []})
         bad_id = await _post(c.base_url, "/v1/completions", {"prompt": [1, 10**9]})
-        logprobs = await _post(c.base_url, "/v1/completions", {"prompt": "x", "logprobs": 2})
+        logprobs = await _post(c.base_url, "/v1/completions", {"prompt": "x", "logprobs": 21})
+        suffix = await _post(c.base_url, "/v1/completions", {"prompt": "x", "suffix": "y"})
     assert "JSON" in assert_openai_error(not_json, 400)["message"]
     assert "JSON object" in assert_openai_error(not_object, 400)["message"]
     assert_openai_error(no_prompt, 400, "prompt")
     assert_openai_error(empty, 400, "prompt")
-    assert_openai_error(two, 400, "prompt")
+    assert_openai_error(empty_list, 400, "prompt")
     assert "vocabulary" in assert_openai_error(bad_id, 400, "prompt")["message"]
     assert_openai_error(logprobs, 400, "logprobs")
+    assert_openai_error(suffix, 400, "suffix")
 
 
 async def test_unknown_model_is_404() -> None:

@@ -1,0 +1,74 @@
+"""The one mapping of the gateway's domain errors to HTTP status and OpenAI error JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from gateway import openai_format as fmt
+from gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoWorkerAvailable,
+    Overloaded,
+    Unauthenticated,
+    WorkerFailed,
+)
+
+_STATUS: list[tuple[type[GatewayError], int, str]] = [
+    (ModelNotFound, 404, "invalid_request_error"),
+    (InvalidRequest, 400, "invalid_request_error"),
+    (Unauthenticated, 401, "authentication_error"),
+    (Overloaded, 429, "rate_limit_error"),
+    (DeadlineExceeded, 504, "timeout_error"),
+    (NoWorkerAvailable, 503, "service_unavailable_error"),
+    (WorkerFailed, 503, "service_unavailable_error"),
+]
+
+
+def status_and_type(err: GatewayError) -> tuple[int, str]:
+    for kind, status, name in _STATUS:
+        if isinstance(err, kind):
+            return status, name
+    return 500, "server_error"
+
+
+def error_response(err: GatewayError) -> JSONResponse:
+    status, kind = status_and_type(err)
+    headers = {}
+    if isinstance(err, Overloaded):
+        headers["retry-after"] = str(err.retry_after_s)
+    if isinstance(err, Unauthenticated):
+        headers["www-authenticate"] = "Bearer"
+    return JSONResponse(fmt.error_body(err.message, kind, err.param, err.code), status, headers)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+def _described(text: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": text}
+
+
+# The error responses of the generation endpoints, for the OpenAPI document.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _described("invalid request (bad field, prompt longer than the context)"),
+    401: _described("missing or invalid API key (when keys are configured)"),
+    404: _described("unknown model"),
+    429: _described("the gateway is saturated; retry after Retry-After seconds"),
+    503: _described("no healthy worker can take the request, or a worker failed"),
+}

@@ -1,0 +1,78 @@
+"""Logprobs in OpenAI's two shapes, as vLLM's OpenAI server writes them.
+
+Completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (top: a dict of
+token text -> logprob, the sampled token included); chat: ``{"content": [{"token", "logprob",
+"bytes", "top_logprobs": [...]}]}`` with ``top_logprobs`` entries. ``None`` stands for a token
+without a log probability (the first prompt token under ``echo``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.interfaces import PromptTokenizer
+from protos.v1 import common_pb2
+
+_FLOOR = -9999.0  # vLLM clamps -inf to this so that the JSON stays valid
+
+
+def _lp(value: float) -> float:
+    return max(float(value), _FLOOR)
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer: PromptTokenizer, *, top: int) -> None:
+        self.tokenizer = tokenizer
+        self.top = top
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id)
+
+    def completion(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[common_pb2.TokenLogprob | None],
+        offset: int,
+    ) -> tuple[dict[str, Any], int]:
+        """The logprobs object of ``token_ids`` whose text starts at ``offset``; returns it and
+        the offset after them."""
+        body: dict[str, Any] = {
+            "text_offset": [],
+            "token_logprobs": [],
+            "tokens": [],
+            "top_logprobs": [],
+        }
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            text = self._text(token_id)
+            body["tokens"].append(text)
+            body["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                body["token_logprobs"].append(None)
+                body["top_logprobs"].append(None)
+                continue
+            body["token_logprobs"].append(_lp(entry.logprob))
+            top = {self._text(t.token_id): _lp(t.logprob) for t in entry.top[: self.top + 1]}
+            top.setdefault(text, _lp(entry.logprob))
+            body["top_logprobs"].append(top)
+        return body, offset
+
+    def chat(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+        return {"content": [self._chat_entry(e) for e in entries]}
+
+    def _chat_entry(self, entry: common_pb2.TokenLogprob) -> dict[str, Any]:
+        text = self._text(entry.token_id)
+        return {
+            "token": text,
+            "logprob": _lp(entry.logprob),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {
+                    "token": (alt := self._text(t.token_id)),
+                    "logprob": _lp(t.logprob),
+                    "bytes": list(alt.encode("utf-8")),
+                }
+                for t in entry.top[: self.top]
+            ],
+        }

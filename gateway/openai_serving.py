@@ -1,0 +1,149 @@
+"""Serving one OpenAI completion or chat request over the core: choices (``n``, many prompts),
+``echo``, logprobs, whole responses and SSE streams. Translation only; the HTTP app
+(``gateway.http``) owns routes, errors and disconnect handling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway import openai_format as fmt
+from gateway.errors import GatewayError, WorkerFailed
+from gateway.fanout import ChoiceSpec, merged, total_usage
+from gateway.generation import Finish, Generation, TokenDelta, Usage
+from gateway.http_errors import status_and_type
+from gateway.openai_logprobs import LogprobFormatter
+from gateway.service import GenerationService
+from protos.v1 import common_pb2
+
+
+@dataclass
+class ChoiceState:
+    """What the shaper needs to know about one choice while it streams."""
+
+    spec: ChoiceSpec
+    generation: Generation
+    echo: bool
+    offset: int = 0  # completions logprobs: text offset of the next token
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob | None] = field(default_factory=list)
+    finish: Finish | None = None
+
+
+class OpenAIResponder:
+    """Shapes the events of a request's choices into OpenAI bodies."""
+
+    def __init__(
+        self,
+        service: GenerationService,
+        shaper: fmt.ChunkShaper,
+        specs: Sequence[ChoiceSpec],
+        generations: Sequence[Generation],
+        *,
+        echo: bool,
+        logprobs: int | None,
+    ) -> None:
+        self.service = service
+        self.shaper = shaper
+        self.chat = shaper.chat
+        self.states = [ChoiceState(s, g, echo) for s, g in zip(specs, generations, strict=True)]
+        self.generations = list(generations)
+        self.logprobs = (
+            None if logprobs is None else LogprobFormatter(service.tokenizer, top=logprobs)
+        )
+
+    def routing_headers(self) -> dict[str, str]:
+        return self.generations[0].routing_headers()
+
+    def _echo_text(self, state: ChoiceState) -> str:
+        prompt = state.spec.request.prompt
+        if prompt.text is not None:
+            return prompt.text
+        return self.service.tokenizer.decode(state.generation.token_ids)
+
+    def _echo_logprobs(self, state: ChoiceState) -> tuple[list[int], list[Any]]:
+        ids = state.generation.token_ids
+        entries: list[Any] = [None, *state.generation.prompt_logprobs]
+        return ids, entries
+
+    def _logprobs_of(
+        self, state: ChoiceState, token_ids: Sequence[int], entries: Sequence[Any]
+    ) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return self.logprobs.chat(entries)
+        body, state.offset = self.logprobs.completion(token_ids, entries, state.offset)
+        return body
+
+    def _echo_delta(self, state: ChoiceState) -> tuple[str, dict[str, Any] | None]:
+        ids, entries = self._echo_logprobs(state)
+        return self._echo_text(state), self._logprobs_of(state, ids, entries)
+
+    def usage(self) -> Usage:
+        pairs = [(s.spec.prompt_index, s.finish.usage) for s in self.states if s.finish]
+        return total_usage(pairs)
+
+    async def whole(self) -> dict[str, Any]:
+        """Run every choice to its end and build the response body."""
+        async for position, event in merged(self.generations):
+            self._record(self.states[position], event)
+        results = [self._result(s) for s in self.states]
+        return self.shaper.full_response(results, self.usage())
+
+    def _record(self, state: ChoiceState, event: TokenDelta | Finish) -> None:
+        if isinstance(event, TokenDelta):
+            state.parts.append(event.text)
+            state.token_ids.extend(event.token_ids)
+            state.logprobs.extend(event.logprobs)
+        else:
+            state.finish = event
+
+    def _result(self, state: ChoiceState) -> fmt.ChoiceResult:
+        if state.finish is None:
+            raise WorkerFailed("a generation ended without a finish")
+        text = "".join(state.parts)
+        logprobs = None
+        if state.echo:
+            prefix, logprobs = self._echo_delta(state)
+            text = prefix + text
+        generated = self._logprobs_of(state, state.token_ids, state.logprobs)
+        if logprobs is not None and generated is not None:
+            for key, values in generated.items():
+                logprobs[key].extend(values)
+        elif generated is not None:
+            logprobs = generated
+        return fmt.ChoiceResult(state.spec.index, text, state.finish, logprobs)
+
+    async def sse(self) -> AsyncIterator[str]:
+        """SSE lines: role first (chat), echo, deltas, finishes, usage (if asked), [DONE]."""
+        try:
+            for chunk in self.shaper.opening(len(self.states)):
+                yield fmt.sse(chunk)
+            for state in self.states:
+                if state.echo:
+                    text, logprobs = self._echo_delta(state)
+                    yield fmt.sse(self.shaper.delta(state.spec.index, text, logprobs))
+            async for position, event in merged(self.generations):
+                chunk = self._stream_event(self.states[position], event)
+                if chunk is not None:
+                    yield fmt.sse(chunk)
+            if self.shaper.include_usage:
+                yield fmt.sse(self.shaper.usage_chunk(self.usage()))
+        except GatewayError as err:
+            # The status line is gone already: report in-band, as vLLM does.
+            _, kind = status_and_type(err)
+            yield fmt.sse(fmt.error_body(err.message, kind, err.param, err.code))
+        yield "data: [DONE]\n\n"
+
+    def _stream_event(self, state: ChoiceState, event: TokenDelta | Finish) -> Any:
+        if isinstance(event, Finish):
+            state.finish = event
+            return self.shaper.finish(state.spec.index, event)
+        if not event.text and not (self.logprobs and event.token_ids):
+            return None
+        logprobs = self._logprobs_of(state, event.token_ids, event.logprobs)
+        return self.shaper.delta(state.spec.index, event.text, logprobs)

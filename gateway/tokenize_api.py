@@ -1,0 +1,63 @@
+"""``/tokenize`` and ``/detokenize`` (vLLM's shapes): the gateway's own tokenizer, so the ids
+are exactly those a generation request would send to the workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.errors import InvalidRequest
+from gateway.openai_models import ChatMessage, FunctionTool
+from gateway.service import GenerationService, Prompt
+
+
+class TokenizeRequest(BaseModel):
+    """Either ``prompt`` (completions text) or ``messages`` (chat, generation prompt added)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[FunctionTool] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+def tokenize(service: GenerationService, body: TokenizeRequest) -> dict[str, Any]:
+    service.check_model(body.model or "")
+    if body.messages is not None:
+        messages = tuple(m.for_template(i) for i, m in enumerate(body.messages))
+        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
+        ids = service.tokenize(Prompt(messages=messages, tools=tools))
+    else:
+        ids = service.tokenizer.encode_text(body.prompt or "")
+    strs = [service.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+    return {
+        "count": len(ids),
+        "max_model_len": service.pool.max_model_len(),
+        "tokens": ids,
+        "token_strs": strs,
+    }
+
+
+def detokenize(service: GenerationService, body: DetokenizeRequest) -> dict[str, Any]:
+    service.check_model(body.model or "")
+    vocab = service.tokenizer.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is out of vocabulary", param="tokens")
+    return {"prompt": service.tokenizer.decode(body.tokens)}
