@@ -93,7 +93,7 @@ e2e: model
 	$(BIN)/python -m pytest -ra tests/e2e
 
 bench: $(STAMP)
-	$(BIN)/python -m kv_transfer.bench
+	$(BIN)/pdserve bench kv
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -87,10 +87,13 @@ class GatewaySettings(BaseSettings):
         "worker is at most this many tokens is computed there (0: always use a prefill worker)",
     )
     prefix_weight: float = Field(
-        default=1.0, ge=0, description="routing score weight of the cached share of the prompt"
+        default=2.0, ge=0, description="routing score weight of the cached share of the prompt"
     )
     load_weight: float = Field(
         default=1.0, ge=0, description="routing score weight of a worker's load"
+    )
+    kv_usage_weight: float = Field(
+        default=0.5, ge=0, description="routing score weight of a worker's KV cache usage (0..1)"
     )
     routing_headers: bool = Field(
         default=True,

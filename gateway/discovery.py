@@ -1,6 +1,7 @@
 """Worker discovery from the Redis registry: workers announce themselves with a heartbeat,
-the gateway reads the live ones every ``discovery_interval_s`` and reconciles its pool. While
-Redis is unreachable the pool keeps the workers it knows (and their health checks go on)."""
+the gateway reads the live ones every ``discovery_interval_s`` and reconciles its pool, and
+forgets the prefix-index entries of workers whose heartbeat expired. While Redis is
+unreachable the pool keeps the workers it knows (and their health checks go on)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 
 from gateway.pool import WorkerPool
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
+from pdserve.kvindex.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class RegistryDiscovery:
     async def sync(self) -> None:
         try:
             records = await self.registry.alive_workers()
+            if isinstance(self.registry, RedisStore):
+                for worker in await self.registry.reap_dead():
+                    log.warning("worker %s missed its heartbeats; its index entries are gone",
+                                worker)  # fmt: skip
         except IndexUnavailable as exc:
             if not self._down:
                 log.warning("worker registry unreachable (%s); keeping the known workers", exc)

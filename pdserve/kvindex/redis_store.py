@@ -69,6 +69,25 @@ return counts
 """
 
 
+# ARGV: ns, worker, dead epoch, workers hash key, alive key. Clears the worker's blocks and
+# record only if the record still has that epoch and no heartbeat of it is alive, so a
+# worker that restarted under the same name in the meantime keeps its new entries.
+_REAP = """
+local ns, worker, epoch, workers, alive = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local raw = redis.call('HGET', workers, worker)
+if not raw or cjson.decode(raw)['epoch'] ~= epoch or redis.call('GET', alive) == epoch then
+  return 0
+end
+local wkey = ns .. ':w:' .. worker
+for _, h in ipairs(redis.call('SMEMBERS', wkey)) do
+  redis.call('SREM', ns .. ':b:' .. h, worker)
+end
+redis.call('DEL', wkey)
+redis.call('HDEL', workers, worker)
+return 1
+"""
+
+
 def _encode(ops: Sequence[BlockOps]) -> list[str | int]:
     args: list[str | int] = []
     for op in ops:
@@ -91,6 +110,7 @@ class RedisStore:
         )
         self._apply = self.client.register_script(_APPLY)
         self._longest = self.client.register_script(_LONGEST)
+        self._reap = self.client.register_script(_REAP)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -133,14 +153,32 @@ class RedisStore:
         pipe.delete(self.keys.alive(worker_id))
         await self._call(pipe.execute())
 
-    async def alive_workers(self) -> list[WorkerRecord]:
+    async def _records(self) -> list[tuple[WorkerRecord, bool]]:
+        """Every registered worker and whether its heartbeat (of that epoch) is current."""
         raw = await self._call(self.client.hgetall(self.keys.workers))
         records = [WorkerRecord.from_json(v) for v in raw.values()]
         if not records:
             return []
         epochs = await self._call(self.client.mget([self.keys.alive(r.worker_id) for r in records]))
         return [
-            r
+            (r, epoch is not None and epoch.decode() == r.epoch)
             for r, epoch in zip(records, epochs, strict=True)
-            if epoch is not None and epoch.decode() == r.epoch
         ]
+
+    async def alive_workers(self) -> list[WorkerRecord]:
+        return [record for record, alive in await self._records() if alive]
+
+    async def reap_dead(self) -> list[str]:
+        """Forget workers whose heartbeat expired: their blocks, then their record.
+
+        Safe to run from every gateway at once; a worker that comes back re-announces
+        itself and rebuilds its entries from its engine's events."""
+        reaped = []
+        for record, alive in await self._records():
+            if alive:
+                continue
+            args = [self.keys.namespace(record.model), record.worker_id, record.epoch,
+                    self.keys.workers, self.keys.alive(record.worker_id)]  # fmt: skip
+            if await self._call(self._reap(args=args)):
+                reaped.append(record.worker_id)
+        return reaped

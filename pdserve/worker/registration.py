@@ -72,6 +72,10 @@ class IndexLink:
             epoch=self.epoch, model=info.served_model_name, block_size=info.block_size,
             max_model_len=info.max_model_len, kv_compat=info.kv_compat,
         )  # fmt: skip
+        # Announce (the new epoch) before any entry is written: a gateway reaping the previous
+        # incarnation of this name then leaves the new entries alone.
+        with contextlib.suppress(IndexUnavailable):
+            await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
         sink = EventSink(self.store, info.served_model_name, s.name, *self.ports)
         self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
 

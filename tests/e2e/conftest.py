@@ -22,6 +22,7 @@ from tests.e2e.cases import cases
 from tests.helpers import free_port, model_dir
 
 STARTUP_TIMEOUT_S = 600
+PREFILL_WORKERS = 2  # two prefill workers and one decode worker, as issue 4's routing needs
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +90,9 @@ def _serving(port: int) -> bool:
 
 
 def _all_ready(ports: dict[str, int]) -> bool:
-    """Both workers serving and the gateway healthy (so no request takes the local path)."""
-    if not (_serving(ports["prefill"]) and _serving(ports["decode"])):
+    """Every worker serving and the gateway seeing them all (no request goes local)."""
+    workers = [ports["prefill"] + i for i in range(PREFILL_WORKERS)] + [ports["decode"]]
+    if not all(_serving(port) for port in workers):
         return False
     try:
         url = f"http://127.0.0.1:{ports['http']}/health"
@@ -98,47 +100,62 @@ def _all_ready(ports: dict[str, int]) -> bool:
             body = json.loads(response.read())
     except (OSError, ValueError):
         return False
-    return bool(body["healthy_prefill_workers"] >= 1 and body["healthy_decode_workers"] >= 1)
+    return bool(
+        body["healthy_prefill_workers"] == PREFILL_WORKERS and body["healthy_decode_workers"] == 1
+    )
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    for _ in range(100):
+        first = free_port()
+        if all(not _port_open(first + i) and _bindable(first + i) for i in range(n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.fixture(scope="session")
 def cluster(
     reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RealCluster]:
-    """1 prefill + 1 decode worker and the gateway, as ``make up`` starts them."""
-    ports = {name: free_port() for name in ("http", "grpc", "prefill", "decode", "kv")}
+    """2 prefill + 1 decode worker, a private Redis and the gateway, started by ``pdserve up``.
+
+    Conditional disaggregation is off (threshold 0), so every request moves KV blocks."""
+    ports = {name: free_port() for name in ("http", "grpc", "decode")}
+    ports["prefill"] = free_port_run(PREFILL_WORKERS)
+    ports["kv"] = free_port_run(PREFILL_WORKERS)
     log_dir = tmp_path_factory.mktemp("logs")
     cmd = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--http-port",
-        str(ports["http"]),
-        "--grpc-port",
-        str(ports["grpc"]),
-        "--prefill-port",
-        str(ports["prefill"]),
-        "--decode-port",
-        str(ports["decode"]),
-        "--kv-port",
-        str(ports["kv"]),
-        "--log-dir",
-        str(log_dir),
-    ]
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        sys.executable, "-m", "pdserve", "up", "--prefill", str(PREFILL_WORKERS),
+        "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
+        "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
+        "--kv-port", str(ports["kv"]), "--log-dir", str(log_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0"}
+    up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
+    up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)
     found = RealCluster(ports["http"], ports["grpc"], log_dir)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _all_ready(ports):
         if up.poll() is not None or time.monotonic() > deadline:
             up.kill()
-            output = up.stdout.read() if up.stdout else ""
-            pytest.fail(f"pdserve up did not become ready:\n{output}\n{found.logs()}")
+            pytest.fail(f"pdserve up did not become ready:\n{found.logs()}")
         time.sleep(1)
     yield found
     up.send_signal(signal.SIGTERM)
     code = up.wait(timeout=120)
-    leftover = [name for name, port in ports.items() if _port_open(port)]
+    up_log.close()
+    all_ports = {**ports, "prefill-1": ports["prefill"] + 1, "kv-1": ports["kv"] + 1}
+    leftover = [name for name, port in all_ports.items() if _port_open(port)]
     assert code == 0, f"pdserve up exited {code}"
     assert not leftover, f"ports still served after shutdown: {leftover}"
 

@@ -116,6 +116,31 @@ async def test_registry_heartbeats_expire_and_epochs_must_match(store: RedisStor
     assert await store.alive_workers() == []
 
 
+async def test_dead_workers_are_reaped_with_exactly_their_entries(store: RedisStore) -> None:
+    await store.announce(WorkerRecord("p0", "prefill", "a:1", "e0", M), ttl_s=0.2)
+    await store.announce(WorkerRecord("p1", "prefill", "a:2", "e1", M), ttl_s=30)
+    await store.apply(M, "p0", [BlockOps(stored=[1, 2])])
+    await store.apply(M, "p1", [BlockOps(stored=[1])])
+    await asyncio.sleep(0.4)
+    assert await store.reap_dead() == ["p0"]
+    assert await store.longest_prefixes(M, [1, 2], ["p0", "p1"]) == {"p0": 0, "p1": 1}
+    assert [r.worker_id for r in await store.alive_workers()] == ["p1"]
+    assert await store.reap_dead() == []
+
+
+async def test_a_worker_restarted_under_the_same_name_is_not_reaped(store: RedisStore) -> None:
+    await store.announce(WorkerRecord("p0", "prefill", "a:1", "old", M), ttl_s=0.2)
+    await asyncio.sleep(0.4)
+    records = await store._records()  # a gateway has read the dead record...
+    await store.announce(WorkerRecord("p0", "prefill", "a:1", "new", M), ttl_s=30)
+    await store.apply(M, "p0", [BlockOps(stored=[7])])  # ...the new incarnation works...
+    ((record, alive),) = records
+    assert not alive
+    args = [store.keys.namespace(M), "p0", record.epoch, store.keys.workers, store.keys.alive("p0")]
+    assert await store._reap(args=args) == 0  # ...and the reap of the old one is a no-op
+    assert await store.longest_prefixes(M, [7], ["p0"]) == {"p0": 1}
+
+
 async def test_unreachable_redis_is_a_clear_error_and_recovers(redis_server: RedisServer) -> None:
     store = RedisStore(redis_server.url, timeout_s=0.5)
     try:

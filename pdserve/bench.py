@@ -1,0 +1,25 @@
+"""``pdserve bench``: the project's benchmarks.
+
+- ``pdserve bench kv``: KV transfer throughput of the connector vs a raw loopback socket.
+- ``pdserve bench routing``: prefix-cache hit rate and TTFT of cache-aware vs round-robin
+  routing on a real cluster, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"kv": "kv_transfer.bench", "routing": "pdserve.bench_routing"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, module in BENCHES.items():
+        mod = importlib.import_module(module)
+        doc = (mod.__doc__ or name).strip().splitlines()[0]
+        mod.add_arguments(sub.add_parser(name, help=doc, description=doc))
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(BENCHES[args.bench]).run(args) or 0)

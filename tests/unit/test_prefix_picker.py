@@ -1,0 +1,108 @@
+"""The prefix picker's choices, with the in-memory index and stand-in workers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+from gateway.prefix_routing import PrefixPicker, cacheable_tokens
+from gateway.routing import PickerContext, RouteRequest
+from pdserve.kvindex.hashing import block_hashes
+from pdserve.kvindex.interfaces import BlockOps
+from pdserve.kvindex.memory import MemoryIndex
+
+BS = 16
+
+
+class StandIn:
+    def __init__(self, name: str, role: str, in_flight: int = 0) -> None:
+        self.worker_id = name
+        self.role_name = role
+        self.capabilities = SimpleNamespace(block_size=BS)
+        self.in_flight = in_flight
+
+    def load(self) -> float:
+        return float(self.in_flight)
+
+    def kv_usage(self) -> float:
+        return self.usage
+
+    usage = 0.0
+
+
+def picker(index: Any, **settings: Any) -> PrefixPicker:
+    s = GatewaySettings(model="unused", **{"disagg_min_uncached_tokens": 0, **settings})
+    return PrefixPicker(PickerContext(s, GatewayMetrics(), index))
+
+
+def request(n: int) -> RouteRequest:
+    return RouteRequest("r", "m", list(range(n)))
+
+
+def always(p: Any, d: Any) -> bool:
+    return True
+
+
+async def test_cached_tokens_never_include_the_last_prompt_token() -> None:
+    assert cacheable_tokens(blocks=4, block_size=16, prompt_len=64) == 48
+    assert cacheable_tokens(blocks=2, block_size=16, prompt_len=64) == 32
+    assert cacheable_tokens(blocks=0, block_size=16, prompt_len=5) == 0
+
+
+async def test_prefers_the_longest_prefix_then_the_lighter_load() -> None:
+    index = MemoryIndex()
+    hashes = block_hashes(list(range(100)), BS, seed=42)
+    await index.apply("m", "p1", [BlockOps(stored=hashes[:4])])
+    p0, p1, d = (
+        StandIn("p0", "prefill"),
+        StandIn("p1", "prefill", in_flight=3),
+        StandIn("d", "decode"),
+    )
+    # 64 of 100 tokens cached (2 x 0.64) outweighs 3 queued requests (1 x 3/4)
+    route = await picker(index).pick(request(100), [p0, p1], [d], always)
+    assert route.prefill is p1 and route.predicted_cached_tokens == 64
+    # one block of 100 tokens (2 x 0.16) does not
+    await index.clear_worker("m", "p1")
+    await index.apply("m", "p1", [BlockOps(stored=hashes[:1])])
+    route = await picker(index).pick(request(100), [p0, p1], [d], always)
+    assert route.prefill is p0
+    # no prefix anywhere: the lighter worker wins
+    route = await picker(index).pick(request(10), [p0, p1], [d], always)
+    assert route.prefill is p0 and route.predicted_cached_tokens == 0
+
+
+async def test_new_prompts_spread_over_equal_prefill_workers() -> None:
+    workers = [StandIn("p0", "prefill"), StandIn("p1", "prefill")]
+    chooser = picker(MemoryIndex())
+    chosen = [(await chooser.pick(request(40), workers, [StandIn("d", "decode")], always)).prefill
+              for _ in range(4)]  # fmt: skip
+    assert [w.worker_id for w in chosen if w] == ["p0", "p1", "p0", "p1"]
+
+
+async def test_conditional_disaggregation_uses_the_decode_workers_cache() -> None:
+    index = MemoryIndex()
+    hashes = block_hashes(list(range(100)), BS, seed=42)
+    await index.apply("m", "d", [BlockOps(stored=hashes)])
+    chooser = picker(index, disagg_min_uncached_tokens=32)
+    route = await chooser.pick(request(100), [StandIn("p0", "prefill")], [StandIn("d", "decode")],
+                               always)  # fmt: skip
+    assert route.prefill is None and route.predicted_cached_tokens == 96
+    route = await chooser.pick(request(300), [StandIn("p0", "prefill")], [StandIn("d", "decode")],
+                               always)  # fmt: skip
+    assert route.prefill is not None  # 300 - 96 cached > 32
+
+
+async def test_a_fuller_kv_cache_weighs_against_a_worker() -> None:
+    full, empty = StandIn("p0", "prefill"), StandIn("p1", "prefill")
+    full.usage = 0.9
+    route = await picker(MemoryIndex()).pick(request(40), [full, empty], [StandIn("d", "decode")],
+                                             always)  # fmt: skip
+    assert route.prefill is empty
+
+
+async def test_without_an_index_it_routes_by_load_only() -> None:
+    p0, p1 = StandIn("p0", "prefill", in_flight=2), StandIn("p1", "prefill")
+    route = await picker(None).pick(request(100), [p0, p1], [StandIn("d", "decode")], always)
+    assert route.prefill is p1 and route.predicted_cached_tokens == 0
