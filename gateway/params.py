@@ -10,6 +10,8 @@ from __future__ import annotations
 from gateway.errors import InvalidRequest, PromptTooLong
 from protos.v1 import common_pb2
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
 
 def check_sampling(params: common_pb2.SamplingParams) -> None:
     """Raise ``InvalidRequest`` (naming the field) for values vLLM would refuse."""
@@ -26,8 +28,9 @@ def check_sampling(params: common_pb2.SamplingParams) -> None:
             raise InvalidRequest(f"{name} must be in [-2, 2]", param=name)
     if params.HasField("repetition_penalty") and params.repetition_penalty <= 0:
         raise InvalidRequest("repetition_penalty must be positive", param="repetition_penalty")
-    if params.HasField("logprobs") and params.logprobs > 0:
-        raise InvalidRequest("logprobs are not supported by this gateway yet", param="logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name) and getattr(params, name) > MAX_LOGPROBS:
+            raise InvalidRequest(f"{name} must be at most {MAX_LOGPROBS}", param=name)
     if params.max_tokens and params.min_tokens > params.max_tokens:
         raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
 

@@ -155,6 +155,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 chunk = worker_pb2.DecodeChunk(token_ids=[token_id], text=text)
+                _add_logprobs(chunk, request, token_id, first=i == 0)
                 if i == len(pieces) - 1:
                     chunk.MergeFrom(self._final(request, len(pieces)))
                     chunk.finish_reason = "stop" if len(pieces) == len(self.pieces) else "length"
@@ -169,6 +170,24 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def GetCapabilities(self, request, context):  # type: ignore[no-untyped-def]
         return self.caps
+
+
+def _entry(token_id: int, top: int) -> common_pb2.TokenLogprob:
+    """A scripted logprob: the token at -0.5, then alternatives 1, 2, ... at -1.5, -2.5, ..."""
+    alternatives = [common_pb2.TopLogprob(token_id=token_id, logprob=-0.5)]
+    alternatives += [common_pb2.TopLogprob(token_id=t, logprob=-0.5 - t) for t in range(1, top)]
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, top=alternatives[: max(top, 1)])
+
+
+def _add_logprobs(
+    chunk: worker_pb2.DecodeChunk, request: worker_pb2.DecodeRequest, token_id: int, first: bool
+) -> None:
+    params = request.params
+    if params.HasField("logprobs"):
+        chunk.logprobs.append(_entry(token_id, params.logprobs))
+    if first and params.HasField("prompt_logprobs"):
+        for prompt_token in request.prompt_token_ids[1:]:
+            chunk.prompt_logprobs.append(_entry(prompt_token, params.prompt_logprobs))
 
 
 async def start_worker(servicer: FakePrefill | FakeDecode) -> GrpcServer:

@@ -117,7 +117,7 @@ async def test_generation_not_serving_without_decode_worker() -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (
-            generate_pb2.GenerateRequest(text="hi", params=common_pb2.SamplingParams(logprobs=1)),
+            generate_pb2.GenerateRequest(text="hi", params=common_pb2.SamplingParams(logprobs=21)),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
     ],

@@ -40,7 +40,8 @@ def test_context_overflow_is_prompt_too_long() -> None:
         (common_pb2.SamplingParams(min_p=1.5), "min_p"),
         (common_pb2.SamplingParams(presence_penalty=3), "presence_penalty"),
         (common_pb2.SamplingParams(repetition_penalty=0), "repetition_penalty"),
-        (common_pb2.SamplingParams(logprobs=1), "logprobs"),
+        (common_pb2.SamplingParams(logprobs=21), "logprobs"),
+        (common_pb2.SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
         (common_pb2.SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
     ],
 )

@@ -1,0 +1,233 @@
+"""The OpenAI API surface beyond the basics, against fake workers: n and prompt lists,
+echo, logprobs, structured outputs, tools, tokenize/detokenize, API keys, 429, OpenAPI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.fakes import DEFAULT_PIECES, FakeDecode
+from tests.helpers import gateway_cluster, parse_sse, served_name, tokenizer
+
+ANSWER = "".join(text for _, text in DEFAULT_PIECES)
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+async def test_n_and_prompt_lists_fan_out_with_derived_request_ids() -> None:
+    async with gateway_cluster() as c:
+        client = c.openai()
+        response = await client.completions.with_raw_response.create(
+            model=served_name(), prompt=["One", "Two words"], n=2, seed=5
+        )
+        body = response.parse()
+        await client.close()
+    assert [ch.index for ch in body.choices] == [0, 1, 2, 3]
+    assert all(ch.text == ANSWER for ch in body.choices)
+    assert c.decode is not None
+    request_id = response.headers["x-request-id"]
+    ids = sorted(r.request_id for r in c.decode.seen.requests)
+    assert ids == [f"{request_id}-{i}" for i in range(4)]
+    seeds = sorted(r.params.seed for r in c.decode.seen.requests)
+    assert seeds == [5, 5, 6, 6]  # choice j of a prompt samples with seed + j
+    prompt_tokens = len(tokenizer().encode_text("One")) + len(tokenizer().encode_text("Two words"))
+    assert body.usage is not None
+    assert body.usage.prompt_tokens == prompt_tokens  # each prompt once
+    assert body.usage.completion_tokens == 4 * len(DEFAULT_PIECES)
+
+
+async def test_chat_n_streams_every_choice_with_role_first_and_finish_last() -> None:
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        body = {"messages": CHAT, "n": 3, "stream": True, "stream_options": {"include_usage": True}}
+        response = await http.post("/v1/chat/completions", json=body)
+    events = parse_sse(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for index in range(3):
+        mine = [
+            ch["choices"][0]
+            for ch in chunks
+            if ch["choices"] and ch["choices"][0]["index"] == index
+        ]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(m["delta"].get("content", "") for m in mine) == ANSWER
+        assert mine[-1]["finish_reason"] == "stop"
+        assert not any(m["finish_reason"] for m in mine[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 * len(DEFAULT_PIECES)
+
+
+async def test_completion_logprobs_and_echo() -> None:
+    async with gateway_cluster() as c:
+        client = c.openai()
+        plain = await client.completions.create(
+            model=served_name(), prompt="Say it", logprobs=2, max_tokens=4
+        )
+        echoed = await client.completions.create(
+            model=served_name(), prompt="Say it", logprobs=1, echo=True, max_tokens=4
+        )
+        echo_only = await client.completions.create(
+            model=served_name(), prompt="Say it", echo=True, max_tokens=4
+        )
+        await client.close()
+    lp = plain.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert "".join(lp.tokens) == ANSWER
+    assert lp.token_logprobs == [-0.5] * 4
+    assert lp.text_offset == [0, 5, 6, 12]
+    assert lp.top_logprobs is not None and len(lp.top_logprobs[0]) == 2
+    prompt_ids = tokenizer().encode_text("Say it")
+    e = echoed.choices[0]
+    assert e.text == "Say it" + ANSWER
+    assert e.logprobs is not None and e.logprobs.token_logprobs is not None
+    assert len(e.logprobs.token_logprobs) == len(prompt_ids) + 4
+    assert e.logprobs.token_logprobs[0] is None  # the first prompt token has none
+    assert echo_only.choices[0].text == "Say it" + ANSWER
+    assert c.decode is not None and c.prefill is not None
+    # echo + logprobs needs prompt logprobs: the decode worker computed the prompt itself
+    echo_request = c.decode.seen.requests[1]
+    assert echo_request.params.prompt_logprobs == 1
+    assert not echo_request.HasField("kv_transfer_params")
+    assert len(c.prefill.seen.requests) == 2
+
+
+async def test_chat_logprobs_stream_and_whole() -> None:
+    async with gateway_cluster() as c:
+        client = c.openai()
+        reply = await client.chat.completions.create(
+            model=served_name(), messages=CHAT, logprobs=True, top_logprobs=2
+        )
+        stream = await client.chat.completions.create(
+            model=served_name(), messages=CHAT, logprobs=True, stream=True
+        )
+        streamed = [chunk async for chunk in stream]
+        await client.close()
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert [e.token for e in content] == [t for _, t in DEFAULT_PIECES]
+    assert all(len(e.top_logprobs) == 2 for e in content)
+    assert content[0].bytes == list(b"Hello")
+    tokens = [
+        e.token
+        for ch in streamed
+        if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content
+        for e in ch.choices[0].logprobs.content
+    ]
+    assert tokens == [t for _, t in DEFAULT_PIECES]
+
+
+async def test_structured_outputs_and_tools_reach_the_workers() -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    async with gateway_cluster() as c:
+        client = c.openai()
+        await client.chat.completions.create(
+            model=served_name(),
+            messages=CHAT,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+        await client.chat.completions.create(
+            model=served_name(), messages=CHAT, response_format={"type": "json_object"}
+        )
+        await client.completions.create(
+            model=served_name(),
+            prompt="Pick",
+            extra_body={"structured_outputs": {"choice": ["a", "b"]}, "logit_bias": {"7": 5}},
+        )
+        await client.chat.completions.create(
+            model=served_name(),
+            messages=CHAT,
+            tools=tools,
+            tool_choice="auto",  # type: ignore[arg-type]
+        )
+        await client.close()
+    assert c.decode is not None
+    first, second, third, fourth = (r.params for r in c.decode.seen.requests)
+    assert json.loads(first.structured_output.json_schema) == schema
+    assert second.structured_output.json_object
+    assert list(third.structured_output.choice.choices) == ["a", "b"]
+    assert dict(third.logit_bias) == {7: 5.0}
+    assert not fourth.HasField("structured_output")
+    with_tools = tokenizer().encode_chat(CHAT, tools=tools)
+    assert list(c.decode.seen.requests[3].prompt_token_ids) == with_tools
+
+
+async def test_tokenize_and_detokenize() -> None:
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        text = await http.post("/tokenize", json={"prompt": "Hello world"})
+        chat = await http.post("/tokenize", json={"messages": CHAT})
+        back = await http.post("/detokenize", json={"tokens": text.json()["tokens"]})
+        neither = await http.post("/tokenize", json={})
+        bad = await http.post("/detokenize", json={"tokens": [-1]})
+    assert text.json()["tokens"] == tokenizer().encode_text("Hello world")
+    assert text.json()["count"] == len(text.json()["tokens"])
+    assert text.json()["max_model_len"] == 2048
+    assert chat.json()["tokens"] == tokenizer().encode_chat(CHAT)
+    assert back.json()["prompt"].endswith("Hello world")
+    assert neither.status_code == 400 and bad.status_code == 400
+
+
+async def test_api_keys_http(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nfile-key\n\n")
+    async with gateway_cluster(api_keys=["env-key"], api_keys_file=str(keys)) as c:
+        async with httpx.AsyncClient(base_url=c.base_url) as http:
+            none = await http.get("/v1/models")
+            wrong = await http.get("/v1/models", headers={"authorization": "Bearer nope"})
+            env = await http.get("/v1/models", headers={"authorization": "Bearer env-key"})
+            health = await http.get("/health")
+            metrics = await http.get("/metrics")
+            tok = await http.post("/tokenize", json={"prompt": "x"})
+        client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="file-key", max_retries=0)
+        reply = await client.completions.create(model=served_name(), prompt="x")
+        bad = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.completions.create(model=served_name(), prompt="x")
+        await client.close()
+        await bad.close()
+    for response in (none, wrong, tok):
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert env.status_code == 200 and health.status_code == 200 and metrics.status_code == 200
+    assert reply.choices[0].text == ANSWER
+
+
+async def test_saturated_gateway_answers_429_with_retry_after() -> None:
+    async with (
+        gateway_cluster(
+            decode=FakeDecode(delay_s=0.3), max_concurrent_requests=1, retry_after_s=2
+        ) as c,
+        httpx.AsyncClient(base_url=c.base_url) as http,
+    ):
+        body = {"prompt": "x", "max_tokens": 4}
+        slow = asyncio.ensure_future(http.post("/v1/completions", json=body))
+        await asyncio.sleep(0.2)
+        refused = await http.post("/v1/completions", json=body)
+        assert (await slow).status_code == 200
+        after = await http.post("/v1/completions", json=body)
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "2"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert after.status_code == 200  # the slot came back
+
+
+async def test_openapi_describes_every_route_and_errors() -> None:
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        doc = (await http.get("/openapi.json")).json()
+    paths = doc["paths"]
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+    ):
+        assert path in paths, path
+    chat = paths["/v1/chat/completions"]["post"]
+    assert {"400", "401", "404", "429", "503"} <= set(chat["responses"])
+    schemas = doc["components"]["schemas"]
+    assert {"ChatCompletionRequest", "CompletionRequest", "ErrorResponse"} <= set(schemas)

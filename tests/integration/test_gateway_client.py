@@ -1,0 +1,93 @@
+"""The typed gRPC client (``pdserve.client``), the ``pdserve generate`` / ``pdserve chat``
+commands, and the gRPC API's auth, Tokenize, logprobs, saturation and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from pdserve.client import GatewayCallError, GatewayClient
+from tests.fakes import DEFAULT_PIECES, FakeDecode
+from tests.helpers import free_port, gateway_cluster, served_name, tokenizer
+
+ANSWER = "".join(text for _, text in DEFAULT_PIECES)
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+async def test_client_generate_tokenize_and_models() -> None:
+    async with gateway_cluster() as c, GatewayClient(c.grpc_target) as client:
+        text, last = await client.complete(text="Hello", max_tokens=4, temperature=0.0)
+        pieces = [p async for p in client.generate(messages=CHAT, logprobs=1)]
+        ids = await client.tokenize(messages=CHAT)
+        models = await client.list_models()
+        with pytest.raises(GatewayCallError) as missing:
+            await client.complete(text="x", model="other")
+        with pytest.raises(GatewayCallError) as empty:
+            await client.complete(text="")
+    assert text == ANSWER and last.finish_reason == "stop"
+    assert last.usage is not None and last.usage.completion_tokens == 4
+    assert [lp.token_id for p in pieces for lp in p.logprobs] == [t for t, _ in DEFAULT_PIECES]
+    assert ids == tokenizer().encode_chat(CHAT)
+    assert [m.id for m in models] == [served_name()]
+    assert missing.value.code == "NOT_FOUND"
+    assert empty.value.code == "INVALID_ARGUMENT"
+
+
+async def test_grpc_api_keys_as_metadata() -> None:
+    async with gateway_cluster(api_keys=["k1"]) as c:
+        async with GatewayClient(c.grpc_target) as anonymous:
+            with pytest.raises(GatewayCallError) as err:
+                await anonymous.list_models()
+            with pytest.raises(GatewayCallError):
+                await anonymous.complete(text="x")
+        async with GatewayClient(c.grpc_target, api_key="k1") as client:
+            text, _ = await client.complete(text="x")
+    assert err.value.code == "UNAUTHENTICATED"
+    assert text == ANSWER
+
+
+async def test_grpc_saturation_and_deadline() -> None:
+    decode = FakeDecode(delay_s=0.5)
+    async with (
+        gateway_cluster(decode=decode, max_concurrent_requests=1) as c,
+        GatewayClient(c.grpc_target) as client,
+    ):
+        slow = asyncio.ensure_future(client.complete(text="x"))
+        await decode.started.wait()
+        with pytest.raises(GatewayCallError) as busy:
+            await client.complete(text="x")
+        await slow
+        with pytest.raises(GatewayCallError) as late:
+            await client.complete(text="x", timeout_s=0.3)
+        await asyncio.wait_for(decode.seen.aborted.wait(), 5)
+    assert busy.value.code == "RESOURCE_EXHAUSTED"
+    assert late.value.code == "DEADLINE_EXCEEDED"
+    assert decode.seen.requests[-1].request_id in decode.seen.aborts
+
+
+async def _run_cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pdserve",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_generate_and_chat_commands() -> None:
+    async with gateway_cluster() as c:
+        code, out, err = await _run_cli("generate", "Hello", "--target", c.grpc_target, "--usage")
+        assert code == 0, err
+        assert out.strip() == ANSWER and "completion 4 tokens" in err
+        code, out, err = await _run_cli("chat", "-m", "Hi", "--target", c.grpc_target)
+        assert code == 0, err
+        assert out.strip() == ANSWER
+    code, out, err = await _run_cli("generate", "x", "--target", f"127.0.0.1:{free_port()}")
+    assert code == 1
+    assert "cannot reach the gateway" in err and "Traceback" not in err
