@@ -9,10 +9,13 @@ No keys configured: every request is allowed. Transports pass the raw ``Authoriz
 from __future__ import annotations
 
 import hmac
+import logging
 from pathlib import Path
 
 from gateway.config import GatewaySettings
 from gateway.errors import Unauthenticated
+
+log = logging.getLogger(__name__)
 
 _SCHEME = "bearer "
 
@@ -34,7 +37,12 @@ class ApiKeys:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> ApiKeys:
-        return cls(load_keys(settings))
+        keys = load_keys(settings)
+        if settings.api_keys_file and not keys:
+            log.warning("api_keys_file %s has no keys: no authentication", settings.api_keys_file)
+        elif keys:
+            log.info("API keys required (%d configured)", len(keys))
+        return cls(keys)
 
     @property
     def enabled(self) -> bool:
