@@ -83,10 +83,12 @@ def format_cores(cores: Sequence[int]) -> str:
 
 def assign_cpu_cores(engines: int, cores: Sequence[int]) -> list[str]:
     """One ``--cpu-cores`` value per engine: ``cores`` split into contiguous shares, or, with
-    more engines than cores, one core each round-robin (then engines share cores)."""
+    more engines than cores, "nobind" for all: two engines pinned to one core starve each
+    other (a prefill engine holding blocks for a pull spins on its core, and a decode engine
+    pinned there made no progress until the lease ran out), so the OS schedules them."""
     ordered = sorted(cores)
     if engines > len(ordered):
-        return [str(ordered[i % len(ordered)]) for i in range(engines)]
+        return ["nobind"] * engines
     share, extra = divmod(len(ordered), engines)
     values, start = [], 0
     for i in range(engines):

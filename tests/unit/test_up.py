@@ -47,8 +47,8 @@ def test_format_cores() -> None:
         (2, [0, 1, 2, 3], ["0-1", "2-3"]),
         (3, list(range(7)), ["0-2", "3-4", "5-6"]),
         (2, [2, 4, 6, 8], ["2,4", "6,8"]),  # affinity with holes
-        (3, [0, 1], ["0", "1", "0"]),  # more engines than cores: round-robin
-        (5, [4], ["4"] * 5),
+        (3, [0, 1], ["nobind"] * 3),  # more engines than cores: none pinned (they starve)
+        (5, [4], ["nobind"] * 5),
     ],
 )
 def test_assign_cpu_cores(engines: int, cores: list[int], expected: list[str]) -> None:
@@ -111,11 +111,11 @@ def test_command_lines_with_model_engine_args_and_more_workers() -> None:
     by_name = {spec.name: spec.argv for spec in specs}
     assert by_name["prefill-1"][3:] == (
         "prefill", "--worker-id", "prefill-1", "--port", "50101", "--kv-port", "15101",
-        "--model", "models/tiny", "--cpu-cores", "1", "--engine-args=--enforce-eager",
+        "--model", "models/tiny", "--cpu-cores", "nobind", "--engine-args=--enforce-eager",
     )  # fmt: skip
     assert by_name["decode-1"][3:] == (
         "decode", "--worker-id", "decode-1", "--port", "50201", "--model", "models/tiny",
-        "--cpu-cores", "1", "--engine-args=--max-model-len 512",
+        "--cpu-cores", "nobind", "--engine-args=--max-model-len 512",
     )  # fmt: skip
     assert by_name["gateway"][3:] == (
         "gateway", "--http-host", "127.0.0.1", "--http-port", "8100", "--grpc-port", "50061",
