@@ -231,3 +231,25 @@ async def test_openapi_describes_every_route_and_errors() -> None:
     assert {"400", "401", "404", "429", "503"} <= set(chat["responses"])
     schemas = doc["components"]["schemas"]
     assert {"ChatCompletionRequest", "CompletionRequest", "ErrorResponse"} <= set(schemas)
+
+
+async def test_disconnect_mid_stream_aborts_every_choice_on_every_worker() -> None:
+    decode = FakeDecode(delay_s=0.05)
+    decode.pieces = [(100 + i, f" w{i}") for i in range(200)]
+    async with gateway_cluster(decode=decode) as c:
+        async with httpx.AsyncClient(base_url=c.base_url) as http:
+            body = {"prompt": "x", "n": 3, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                request_id = response.headers["x-request-id"]
+                lines = response.aiter_lines()
+                for _ in range(6):
+                    await anext(lines)
+        expected = sorted(f"{request_id}-{i}" for i in range(3))
+        assert c.prefill is not None
+        for _ in range(100):
+            if len(decode.seen.aborts) == 3 and len(c.prefill.seen.aborts) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert c.gateway.service is not None and c.gateway.service.active == 0
+    assert sorted(decode.seen.aborts) == expected
+    assert sorted(c.prefill.seen.aborts) == expected
