@@ -108,7 +108,13 @@ def place_engines(
         ]
         shared_what = f"{len(gpus)} GPU(s)" if engines > len(gpus) else None
     else:
-        placements = [Placement(cpu_cores=c) for c in assign_cpu_cores(engines, cores)]
+        placements = [
+            # Unpinned engines (more engines than cores) get one OpenMP thread each, as a
+            # pinned engine has: vLLM's kernels then compute bit-identically to it (with more
+            # threads, a prompt's last token computed alone rounds differently).
+            Placement(cpu_cores=c, env={"OMP_NUM_THREADS": "1"} if c == "nobind" else {})
+            for c in assign_cpu_cores(engines, cores)
+        ]
         shared_what = f"{len(cores)} CPU core(s)" if engines > len(cores) else None
     warning = f"warning: {engines} engines share {shared_what}" if shared_what else None
     return placements, warning

@@ -63,6 +63,14 @@ def test_place_engines_warns_only_when_sharing() -> None:
     assert warning == "warning: 3 engines share 2 CPU core(s)"
 
 
+def test_unpinned_engines_get_one_thread_each() -> None:
+    placements, warning = place_engines(3, [], [0, 1])
+    assert [(p.cpu_cores, dict(p.env)) for p in placements] == [
+        ("nobind", {"OMP_NUM_THREADS": "1"})
+    ] * 3
+    assert warning is not None
+
+
 def test_place_engines_on_gpus_uses_cuda_visible_devices_and_no_cores() -> None:
     placements, warning = place_engines(3, ["0", "1"], [0, 1, 2, 3])
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placements] == ["0", "1", "0"]
