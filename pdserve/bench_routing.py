@@ -120,7 +120,12 @@ def wait_healthy(url: str, prefill: int, timeout_s: float = 900) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--conversations", type=int, default=6, help="per policy")
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=5,
+        help="per policy; odd, so round robin does not stick to one worker by accident",
+    )
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--port", type=int, default=8600, help="first of the ports used")
