@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Ports (DESIGN.md "Ports and defaults"). Workers take base + index.
@@ -65,7 +66,7 @@ def cli_args(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     for name, field in cls.model_fields.items():
         kind = _scalar_type(field.annotation)
         help_text = field.description or ""
-        if field.default is not None and not callable(field.default):
+        if field.default not in (None, PydanticUndefined) and not callable(field.default):
             help_text += f" (default: {field.default})"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if kind is bool:
