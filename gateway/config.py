@@ -81,10 +81,11 @@ class GatewaySettings(BaseSettings):
         default=42, ge=0, le=4294967295, description="block-hash seed; must equal the workers'"
     )
     disagg_min_uncached_tokens: int = Field(
-        default=256,
+        default=0,
         ge=0,
         description="conditional disaggregation: a prompt whose part not cached on the decode "
-        "worker is at most this many tokens is computed there (0: always use a prefill worker)",
+        "worker is at most this many tokens is computed there (0: always use a prefill worker; "
+        "e.g. 256 saves the transfer for short prompts)",
     )
     prefix_weight: float = Field(
         default=2.0, ge=0, description="routing score weight of the cached share of the prompt"

@@ -276,7 +276,7 @@ def ready_banner(s: UpSettings, log_dir: Path) -> str:
     host, name = client_host(s.host), served_model_name(s.model)
     base = f"http://{host}:{s.http_port}"
     message = {"role": "user", "content": QUESTION}
-    body = json.dumps({"model": name, "messages": [message], "max_tokens": 32})
+    body = json.dumps({"model": name, "messages": [message], "max_tokens": 32, "temperature": 0})
     curl = (
         f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(body)}"
@@ -284,7 +284,8 @@ def ready_banner(s: UpSettings, log_dir: Path) -> str:
     code = (
         f'from openai import OpenAI; c = OpenAI(base_url="{base}/v1", api_key="none"); '
         f"print(c.chat.completions.create(model={json.dumps(name)}, "
-        f'messages=[{{"role": "user", "content": {json.dumps(QUESTION)}}}], max_tokens=32)'
+        f'messages=[{{"role": "user", "content": {json.dumps(QUESTION)}}}], '
+        "max_tokens=32, temperature=0)"
         ".choices[0].message.content)"
     )
     return "\n".join(
