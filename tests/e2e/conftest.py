@@ -140,7 +140,14 @@ def cluster(
         "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
         "--kv-port", str(ports["kv"]), "--log-dir", str(log_dir),
     ]  # fmt: skip
-    env = {**os.environ, "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0"}
+    # Conditional disaggregation off: every request moves KV blocks. KV-usage weight 0: the
+    # heartbeat-reported usage lags by up to 2 s, and with sequential requests a stale value
+    # would steer every new conversation to one worker; ties then rotate over both.
+    env = {
+        **os.environ,
+        "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0",
+        "PDSERVE_GATEWAY_KV_USAGE_WEIGHT": "0",
+    }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
     up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)
     found = RealCluster(ports["http"], ports["grpc"], log_dir)
