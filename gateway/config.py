@@ -47,7 +47,18 @@ class GatewaySettings(BaseSettings):
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="deadline of a whole decode stream"
     )
-    prefill_timeout_s: float = Field(default=60.0, gt=0, description="deadline of one Prefill call")
+    prefill_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="least deadline of one Prefill call; it grows with the prompt tokens queued "
+        "on the worker ahead of it (see prefill_deadline_slack)",
+    )
+    prefill_deadline_slack: float = Field(
+        default=4.0,
+        ge=1,
+        description="a Prefill call's deadline is this many times the time the worker is "
+        "measured to need for its queue plus the prompt (at least prefill_timeout_s)",
+    )
     control_timeout_s: float = Field(
         default=3.0, gt=0, description="deadline of GetCapabilities and Abort calls"
     )
@@ -114,6 +125,13 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="generations in progress at most (each of n choices counts); more are "
         "answered 429 / RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    max_queue_per_worker: int = Field(
+        default=64,
+        ge=0,
+        description="admission control: when every healthy decode worker (or every prefill "
+        "worker) has this many requests in flight or queued in its engine, new requests are "
+        "answered 429 / RESOURCE_EXHAUSTED with Retry-After instead of piling on (0: no limit)",
     )
     retry_after_s: int = Field(
         default=1, ge=0, description="Retry-After (seconds) sent with 429 answers"

@@ -16,7 +16,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.config import GatewaySettings
-from gateway.errors import GatewayError, InvalidRequest, NoWorkerAvailable, WorkerFailed
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    NoWorkerAvailable,
+    Overloaded,
+    WorkerFailed,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool
 from gateway.routing import Route
@@ -72,6 +78,8 @@ def outcome_for(err: GatewayError) -> str:
         return "error"
     if isinstance(err, NoWorkerAvailable):
         return "unavailable"
+    if isinstance(err, Overloaded):
+        return "overloaded"
     return "invalid"
 
 
@@ -175,16 +183,24 @@ class Generation:
             return None
         self._touched.append(worker)
         started = time.monotonic()
+        # The deadline follows the worker's queue and the prompt: a prefill that is merely
+        # queued never times out into a second computation of the same prompt.
+        tokens = len(self.token_ids) - (self._predicted or 0)
+        s = self._settings
+        deadline = worker.pace.deadline_s(tokens, s.prefill_timeout_s, s.prefill_deadline_slack)
+        self._metrics.prefill_deadline_seconds.observe(deadline)
+        ahead = worker.pace.sent(tokens)
+        ok = False
         try:
             response = await worker.client.prefill(
-                self.request_id,
-                self.token_ids,
-                self.params,
-                timeout=min(self._settings.prefill_timeout_s, self._timeout_s),
+                self.request_id, self.token_ids, self.params, timeout=min(deadline, self._timeout_s)
             )
+            ok = True
         except RpcCallError as err:
             self._prefill_failed(worker, err)
             return None
+        finally:
+            worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)
         self._metrics.prefill_seconds.observe(time.monotonic() - started)
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)

@@ -2,7 +2,7 @@
 
 Label values: ``endpoint`` is "completions", "chat_completions" or "grpc_generate"; ``path``
 is "disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the
-prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok", "invalid",
+prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok", "invalid", "overloaded",
 "unavailable", "error" or "cancelled".
 """
 
@@ -48,6 +48,20 @@ class GatewayMetrics:
             "pdserve_gateway_kv_transfer_seconds",
             "Time the decode worker spent pulling one request's KV blocks.",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_deadline_seconds = Histogram(
+            "pdserve_gateway_prefill_deadline_seconds",
+            "Deadline given to a Prefill call (grows with the worker's queue and the prompt).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "pdserve_gateway_rejected",
+            "Requests answered 429 / RESOURCE_EXHAUSTED before any work, by reason "
+            "(gateway_limit: max_concurrent_requests; prefill_queue / decode_queue: every "
+            "such worker has max_queue_per_worker requests).",
+            ["reason"],
             registry=r,
         )
         self.prefill_seconds = Histogram(

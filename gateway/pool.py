@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
+from gateway.prefill_pace import PrefillPace
 from pdserve.grpc_client import RpcCallError
 from pdserve.kvindex.interfaces import WorkerRecord
 from prefill_service.client import PrefillClient
@@ -41,6 +42,7 @@ class Worker(Generic[C]):
     discovered: bool = False  # from the Redis registry (else from the static lists)
     in_flight: int = 0  # this gateway's requests on the worker now
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
+    pace: PrefillPace = field(default_factory=PrefillPace)  # prefill workers: queue and rate
 
     @property
     def role_name(self) -> str:

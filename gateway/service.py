@@ -158,12 +158,31 @@ class GenerationService:
         return generation
 
     def _admit(self) -> None:
+        """Admission control: 429 instead of piling work on a gateway or workers at their
+        limit (every rejection is counted by reason)."""
         limit = self.settings.max_concurrent_requests
         if limit and self.active >= limit:
-            raise Overloaded(
+            self._reject(
+                "gateway_limit",
                 f"the gateway is at its limit of {limit} concurrent generations; retry later",
-                retry_after_s=self.settings.retry_after_s,
             )
+        queue = self.settings.max_queue_per_worker
+        if not queue:
+            return
+        for role, workers in (
+            ("decode", self.pool.healthy_decode()),
+            ("prefill", self.pool.healthy_prefill()),
+        ):
+            if workers and min(w.load() for w in workers) >= queue:
+                self._reject(
+                    f"{role}_queue",
+                    f"every {role} worker has {queue} or more requests in flight or queued; "
+                    "retry later",
+                )
+
+    def _reject(self, reason: str, message: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        raise Overloaded(message, retry_after_s=self.settings.retry_after_s)
 
     def _ended(self) -> None:
         self.active -= 1
