@@ -3,6 +3,9 @@
 - ``pdserve bench kv``: KV transfer throughput of the connector vs a raw loopback socket.
 - ``pdserve bench routing``: prefix-cache hit rate and TTFT of cache-aware vs round-robin
   routing on a real cluster, in the same run.
+- ``pdserve bench serve``: pdserve vs monolithic ``vllm serve`` on the same cores, same
+  workloads (vLLM's own benchmark client), with tables and plots.
+- ``pdserve bench engine``: each worker's engine speed vs a bare vLLM engine, same settings.
 """
 
 from __future__ import annotations
@@ -10,7 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"kv": "kv_transfer.bench", "routing": "pdserve.bench_routing"}
+BENCHES = {
+    "kv": "kv_transfer.bench",
+    "routing": "pdserve.bench_routing",
+    "serve": "pdserve.bench_serve",
+    "engine": "pdserve.bench_engine",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

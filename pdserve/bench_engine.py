@@ -1,0 +1,240 @@
+"""Engine speed of pdserve's workers vs a bare vLLM engine, same settings, same cores.
+
+Three engines run one after another, each alone on ``--cores``:
+
+- ``vllm``: a bare ``AsyncLLM`` built from exactly the engine arguments a pdserve worker gets
+  on this machine (``pdserve.worker.engine``), without the KV connector, driven in-process;
+- ``prefill``: a real ``pdserve prefill`` worker (KV connector, transfer process, gRPC),
+  driven over gRPC (each prefill's blocks are released right after);
+- ``decode``: a real ``pdserve decode`` worker, driven over gRPC without a hand-off.
+
+Each is measured the same way: prefill tokens/s = prompt tokens / time to the first token of
+a fresh random prompt (median of ``--repeat``); decode tokens/s = tokens streamed by
+``--batch`` concurrent requests after all of them had their first token / that time. The
+ratios worker/vllm are the per-engine overhead of pdserve (target: within 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from pdserve import machine
+
+# One request: (prompt token ids, max tokens) -> token counts as they stream in.
+Stream = Callable[[list[int], int], AsyncIterator[int]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cores", default="0", help="cores of every engine (as --cpu-cores)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="prefill prompt length")
+    parser.add_argument("--batch", type=int, default=4, help="concurrent decode requests")
+    parser.add_argument("--output-tokens", type=int, default=64, help="tokens per decode request")
+    parser.add_argument("--repeat", type=int, default=3, help="prefills measured per engine")
+    parser.add_argument("--engines", default="vllm,prefill,decode", help="which, in order")
+    parser.add_argument("--port", type=int, default=8800, help="worker gRPC port (+1: KV)")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+
+
+# ---- the measurement, the same for every engine ------------------------------------------
+async def measure(stream: Stream, args: argparse.Namespace, decode: bool) -> dict[str, float]:
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
+
+    await _drain(stream(prompt(16), 2))  # warm-up
+    times = []
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        await _drain(stream(prompt(args.prompt_tokens), 1))
+        times.append(time.perf_counter() - started)
+    result = {"prefill_tokens_per_s": args.prompt_tokens / statistics.median(times)}
+    if decode:
+        result["decode_tokens_per_s"] = await _decode_rate(stream, args, prompt)
+    return result
+
+
+async def _drain(tokens: AsyncIterator[int]) -> None:
+    async for _ in tokens:
+        pass
+
+
+async def _decode_rate(stream: Stream, args: argparse.Namespace, prompt: Any) -> float:
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(args.batch)]
+
+    async def one(i: int) -> None:
+        async for count in stream(prompt(16), args.output_tokens):
+            arrivals[i].append((time.perf_counter(), count))
+
+    await asyncio.gather(*(one(i) for i in range(args.batch)))
+    all_started = max(a[0][0] for a in arrivals)
+    ended = max(a[-1][0] for a in arrivals)
+    tokens = sum(n for a in arrivals for t, n in a if t > all_started)
+    return tokens / (ended - all_started)
+
+
+# ---- the bare engine (child process) -----------------------------------------------------
+def _bare_child(args: argparse.Namespace) -> dict[str, float]:
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from pdserve.model import resolve_model
+    from pdserve.worker.engine import apply_environment, engine_args
+    from prefill_service.config import PrefillSettings
+
+    settings = PrefillSettings.model_validate({"cpu_cores": args.cores})
+    apply_environment(settings)
+    engine_arguments = engine_args(settings, resolve_model(None))
+    engine_arguments.kv_transfer_config = None
+    engine = AsyncLLM.from_engine_args(engine_arguments)
+    counter = iter(range(1 << 30))
+
+    async def stream(tokens: list[int], max_tokens: int) -> AsyncIterator[int]:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                                output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        async for out in engine.generate(prompt, params, f"bench-{next(counter)}"):
+            if out.outputs[0].token_ids:
+                yield len(out.outputs[0].token_ids)
+
+    try:
+        return asyncio.run(measure(stream, args, decode=True))
+    finally:
+        engine.shutdown()
+
+
+# ---- the workers (driven over gRPC) ------------------------------------------------------
+async def _worker_rates(role: str, address: str, args: argparse.Namespace) -> dict[str, float]:
+    from decode_service.client import DecodeClient
+    from prefill_service.client import PrefillClient
+    from protos.v1 import common_pb2
+
+    counter = iter(range(1 << 30))
+    if role == "prefill":
+        client: Any = PrefillClient(address, default_timeout_s=600)
+
+        async def stream(tokens: list[int], max_tokens: int) -> AsyncIterator[int]:
+            request_id = f"bench-{next(counter)}"
+            await client.prefill(request_id, tokens, common_pb2.SamplingParams(max_tokens=1))
+            await client.abort(request_id)  # unpin now rather than at the lease's end
+            yield 1
+
+    else:
+        client = DecodeClient(address, default_timeout_s=600)
+
+        async def stream(tokens: list[int], max_tokens: int) -> AsyncIterator[int]:
+            params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                               temperature=0.0)  # fmt: skip
+            async for chunk in client.decode(f"bench-{next(counter)}", tokens, params):
+                if chunk.token_ids:
+                    yield len(chunk.token_ids)
+
+    try:
+        return await measure(stream, args, decode=role == "decode")
+    finally:
+        await client.close()
+
+
+async def _wait_serving(address: str, process: subprocess.Popen[bytes]) -> None:
+    from pdserve.up import grpc_serving
+
+    check = grpc_serving(address)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the worker exited with {process.returncode}")
+        if await check():
+            return
+        await asyncio.sleep(1)
+    raise RuntimeError(f"the worker at {address} was not serving after 900 s")
+
+
+def _run_worker(role: str, args: argparse.Namespace, log: Path) -> dict[str, float]:
+    argv = [sys.executable, "-m", "pdserve", role, "--worker-id", f"bench-{role}", "--port",
+            str(args.port), "--kv-port", str(args.port + 1), "--cpu-cores", args.cores]  # fmt: skip
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{args.port}"
+
+    async def drive() -> dict[str, float]:
+        await _wait_serving(address, process)
+        return await _worker_rates(role, address, args)
+
+    try:
+        return asyncio.run(drive())
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _run_bare(args: argparse.Namespace, log: Path, out: Path) -> dict[str, float]:
+    argv = [sys.executable, "-m", "pdserve.bench_engine", "--child-json", str(out),
+            "--cores", args.cores, "--prompt-tokens", str(args.prompt_tokens), "--batch",
+            str(args.batch), "--output-tokens", str(args.output_tokens), "--repeat",
+            str(args.repeat)]  # fmt: skip
+    with open(log, "wb") as log_file:
+        code = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"the bare vLLM engine failed ({code}); see {log}")
+    return dict(json.loads(out.read_text()))
+
+
+def run(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-engine-"))
+    info = machine.describe()
+    print(f"bench engine: {info['cpu_model']}, ISA {' '.join(info['isa'])}; cores {args.cores}; "
+          f"logs in {work}")  # fmt: skip
+    results: dict[str, dict[str, float]] = {}
+    engines = [e for e in args.engines.split(",") if e]
+    for i, name in enumerate(engines, 1):
+        print(f"  [{i}/{len(engines)}] {name} engine: starting and measuring ...", flush=True)
+        if name == "vllm":
+            results[name] = _run_bare(args, work / "vllm.log", work / "vllm.json")
+        elif name in ("prefill", "decode"):
+            results[name] = _run_worker(name, args, work / f"{name}.log")
+        else:
+            raise SystemExit(f"unknown engine {name!r}: vllm, prefill or decode")
+        print(f"        {json.dumps({k: round(v, 1) for k, v in results[name].items()})}")
+    ratios = {}
+    bare = results.get("vllm", {})
+    for name in ("prefill", "decode"):
+        for key, value in results.get(name, {}).items():
+            if bare.get(key):
+                ratios[f"{name}_{key.removesuffix('_tokens_per_s')}"] = value / bare[key]
+    for key, ratio in ratios.items():
+        print(f"  {key}: worker / bare vLLM = {ratio:.3f}")
+    report = {"machine": info, "cores": args.cores, "results": results, "ratios": ratios}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _child_main() -> int:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--child-json", required=True)
+    args = parser.parse_args()
+    Path(args.child_json).write_text(json.dumps(_bare_child(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(_child_main())

@@ -1,0 +1,174 @@
+"""Statistics, tables and plots of ``pdserve bench serve`` from ``vllm bench serve`` results.
+
+Every figure is computed here from the per-request arrays vLLM's client saves
+(``--save-detailed``: ``ttfts``, ``itls``, ``latencies``, ``start_times``, ``errors``), so the
+two systems are measured by the same client and summarised by the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (as numpy's default); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request meets the SLO when its TTFT and its mean inter-token latency are within."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+def ok_requests(raw: dict[str, Any]) -> list[int]:
+    errors = raw.get("errors") or [""] * len(raw.get("ttfts", []))
+    return [i for i, err in enumerate(errors) if not err]
+
+
+def tpot(itls: list[float]) -> float:
+    return sum(itls) / len(itls) if itls else 0.0
+
+
+def summarize(raw: dict[str, Any], slo: Slo | None) -> dict[str, Any]:
+    """Percentiles (ms), throughput and goodput of one ``vllm bench serve`` result."""
+    ok = ok_requests(raw)
+    ttft = [raw["ttfts"][i] for i in ok]
+    itl = [x for i in ok for x in raw["itls"][i]]
+    e2e = [raw["latencies"][i] for i in ok]
+    duration = float(raw["duration"])
+    row: dict[str, Any] = {
+        "completed": int(raw["completed"]),
+        "failed": int(raw.get("failed", 0)),
+        "duration_s": duration,
+        "requests_per_s": float(raw["request_throughput"]),
+        "output_tokens_per_s": float(raw["output_throughput"]),
+    }
+    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
+        for q in PERCENTILES:
+            row[f"{name}_p{q}_ms"] = percentile(values, q) * 1000.0
+    if slo is not None:
+        good = sum(
+            1 for i in ok if raw["ttfts"][i] <= slo.ttft_s and tpot(raw["itls"][i]) <= slo.tpot_s
+        )
+        row["goodput_requests_per_s"] = good / duration if duration > 0 else 0.0
+        row["slo"] = {"ttft_ms": slo.ttft_s * 1000.0, "tpot_ms": slo.tpot_s * 1000.0}
+    return row
+
+
+def slo_from(raw: dict[str, Any]) -> Slo:
+    """The default SLO: the baseline's own p90 TTFT and p90 per-request TPOT in this run, so
+    goodput asks "how many requests/s are at least as good as the baseline's 90th"."""
+    ok = ok_requests(raw)
+    ttft = [raw["ttfts"][i] for i in ok]
+    tpots = [tpot(raw["itls"][i]) for i in ok]
+    return Slo(ttft_s=percentile(ttft, 90), tpot_s=percentile(tpots, 90))
+
+
+COLUMNS = (
+    ("req/s", "requests_per_s", "{:.3f}"),
+    ("goodput", "goodput_requests_per_s", "{:.3f}"),
+    ("TTFT p50", "ttft_p50_ms", "{:.0f}"),
+    ("p90", "ttft_p90_ms", "{:.0f}"),
+    ("p99", "ttft_p99_ms", "{:.0f}"),
+    ("ITL p50", "itl_p50_ms", "{:.1f}"),
+    ("p90", "itl_p90_ms", "{:.1f}"),
+    ("p99", "itl_p99_ms", "{:.1f}"),
+    ("E2E p50", "e2e_p50_ms", "{:.0f}"),
+    ("p99", "e2e_p99_ms", "{:.0f}"),
+    ("failed", "failed", "{}"),
+)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table: one row per (workload, system), latencies in ms."""
+    head = ["workload", "system", *(c[0] for c in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["workload"], row["system"]]
+        for _, key, fmt in COLUMNS:
+            value = row.get(key)
+            cells.append("-" if value is None else fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict[str, Any]], system: str, baseline: str) -> list[dict[str, Any]]:
+    """Per workload: throughput ratio (higher is better) and latency ratios baseline/system
+    (above 1: the system is better by that factor)."""
+    by = {(r["workload"], r["system"]): r for r in rows}
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        ours, base = by.get((workload, system)), by.get((workload, baseline))
+        if ours is None or base is None:
+            continue
+        entry: dict[str, Any] = {"workload": workload}
+        entry["throughput"] = _div(ours["requests_per_s"], base["requests_per_s"])
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p99_ms"):
+            entry[key.replace("_ms", "_better")] = _div(base[key], ours[key])
+        out.append(entry)
+    return out
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], out_dir: Path) -> list[Path]:
+    """Per workload a PNG: TTFT and ITL CDFs, and ITL over time, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for workload, systems in results.items():
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        for system, raw in systems.items():
+            ok = ok_requests(raw)
+            ttft = sorted(raw["ttfts"][i] * 1000 for i in ok)
+            itl = sorted(x * 1000 for i in ok for x in raw["itls"][i])
+            for ax, values in ((axes[0], ttft), (axes[1], itl)):
+                if values:
+                    ys = [(k + 1) / len(values) for k in range(len(values))]
+                    ax.plot(values, ys, label=system)
+            times, gaps = _itl_timeline(raw, ok)
+            axes[2].scatter(times, gaps, s=3, alpha=0.5, label=system)
+        axes[0].set(title=f"{workload}: TTFT CDF", xlabel="ms", ylabel="fraction")
+        axes[1].set(title=f"{workload}: ITL CDF", xlabel="ms", xscale="log")
+        axes[2].set(title=f"{workload}: ITL over time", xlabel="s since start", ylabel="ms")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{workload}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _itl_timeline(raw: dict[str, Any], ok: list[int]) -> tuple[list[float], list[float]]:
+    """(time each token arrived, its inter-token gap in ms), time 0 = the first request."""
+    starts = raw.get("start_times") or [0.0] * len(raw["ttfts"])
+    t0 = min((starts[i] for i in ok), default=0.0)
+    times, gaps = [], []
+    for i in ok:
+        t = starts[i] - t0 + raw["ttfts"][i]
+        for gap in raw["itls"][i]:
+            t += gap
+            times.append(t)
+            gaps.append(gap * 1000)
+    return times, gaps

@@ -1,0 +1,327 @@
+"""pdserve vs monolithic ``vllm serve`` side by side: same cores, model, settings and workloads.
+
+One run starts a pdserve cluster (``pdserve up``), drives every workload through it with
+vLLM's own benchmark client (``vllm bench serve``), stops it, then does the same with one
+monolithic ``vllm serve`` engine on all the cores, with the engine arguments pdserve's workers
+use (``pdserve.worker.engine``: dtype for this CPU, eager, prefix caching) and the same total
+KV cache. Workloads:
+
+- ``random``: fixed-length random prompts (default 512 in / 64 out, 32 prompts, concurrency 4);
+- ``shared_prefix``: prompts that share a few long prefixes (vLLM's ``prefix_repetition``);
+- ``multi_turn``: conversations whose every turn resends the whole history so far;
+- ``mixed``: long prompts arriving while short requests decode, the case disaggregation is
+  for (two clients at once; the short requests' ITL is what it protects).
+
+Reports TTFT/ITL/E2E p50/p90/p99, throughput and goodput under an SLO (default: the
+monolith's own p90 TTFT and TPOT in this run), pdserve's fallback and transfer counters from
+``/metrics``, and the machine (CPU model, ISA) in a JSON file, a markdown table and one PNG per
+workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pdserve import bench_report, machine
+
+WORKLOADS = ("random", "shared_prefix", "multi_turn", "mixed")
+SYSTEMS = ("pdserve", "vllm")
+# pdserve counters worth seeing next to the latencies (lines of the gateway's /metrics).
+COUNTERS = re.compile(
+    r"^pdserve_gateway_(local_fallbacks|requests|kv_transfer_bytes|rejected)_total"
+)
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="pdserve,vllm (order run)")
+    parser.add_argument("--prefill", type=int, default=0, help="pdserve prefill workers (0: auto)")
+    parser.add_argument("--decode", type=int, default=0, help="pdserve decode workers (0: auto)")
+    parser.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens per answer")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per workload")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument("--long-len", type=int, default=2048, help="mixed: long prompt tokens")
+    parser.add_argument("--long-prompts", type=int, default=4, help="mixed: long requests")
+    parser.add_argument("--slo-ttft-ms", type=float, default=0, help="0: monolith's p90 TTFT")
+    parser.add_argument("--slo-tpot-ms", type=float, default=0, help="0: monolith's p90 TPOT")
+    parser.add_argument("--port", type=int, default=8700, help="first of the ports used")
+    parser.add_argument("--out", default="", help="result directory (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# ---- systems under test ------------------------------------------------------------------
+def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} before it was ready")
+        try:
+            with _NO_PROXY.open(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{what} was not ready after {timeout_s:.0f} s")
+
+
+@contextmanager
+def _process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 15)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
+                process.wait()
+
+
+@contextmanager
+def pdserve_cluster(args: argparse.Namespace, out: Path) -> Iterator[str]:
+    p = args.port
+    topology = ["--prefill", str(args.prefill)] if args.prefill else []
+    topology += ["--decode", str(args.decode)] if args.decode else []
+    argv = [sys.executable, "-m", "pdserve", "up", *topology, "--http-port", str(p),
+            "--grpc-port", str(p + 1), "--prefill-port", str(p + 10), "--decode-port",
+            str(p + 30), "--kv-port", str(p + 50),
+            "--log-dir", str(out / "pdserve-logs")]  # fmt: skip
+    log = out / "pdserve-up.log"
+    print(f"  starting pdserve up {' '.join(topology) or '(automatic topology)'} (log {log})")
+    with _process(argv, dict(os.environ), log) as process:
+        _wait_for_banner(log, process)
+        yield f"http://127.0.0.1:{p}"
+
+
+def _wait_for_banner(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if "pdserve is up" in log.read_text(errors="replace"):
+            return
+        if process.poll() is not None:
+            raise RuntimeError(f"pdserve up exited with {process.returncode}; see {log}")
+        time.sleep(1)
+    raise RuntimeError(f"pdserve up was not ready after {timeout_s:.0f} s; see {log}")
+
+
+def monolith_argv(model: str, name: str, port: int) -> list[str]:
+    """``vllm serve`` with the engine arguments a pdserve worker gets on this machine."""
+    from pdserve.worker.engine import COMMON_DEFAULT_ARGS, cpu_default_args
+
+    cpu_args, _ = cpu_default_args([])
+    return [sys.executable, "-m", "pdserve.vllm_cli", "serve", model, "--served-model-name",
+            name, "--host", "127.0.0.1", "--port", str(port), *COMMON_DEFAULT_ARGS, *cpu_args,
+            "--disable-uvicorn-access-log"]  # fmt: skip
+
+
+@contextmanager
+def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
+    from pdserve.up import format_cores, usable_cores
+    from pdserve.worker.config import WorkerSettings
+
+    port = args.port + 5
+    cores = usable_cores()
+    engines = (args.prefill or 1) + (args.decode or 1)
+    # The same KV memory in total as the pdserve engines, all the cores, one OpenMP thread each.
+    kv_gib = WorkerSettings.model_fields["kv_cache_gib"].default * engines
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores), "PYTHONHASHSEED": "42"}  # fmt: skip
+    log = out / "vllm-serve.log"
+    print(f"  starting monolithic vllm serve on cores {format_cores(cores)} (log {log})")
+    with _process(monolith_argv(model, name, port), env, log) as process:
+        _wait_http(f"http://127.0.0.1:{port}/health", process, 900, "vllm serve")
+        yield f"http://127.0.0.1:{port}"
+
+
+# ---- workloads ---------------------------------------------------------------------------
+def _client_argv(base_url: str, model: str, name: str, result: Path) -> list[str]:
+    return [sys.executable, "-m", "pdserve.vllm_cli", "bench", "serve", "--backend", "openai",
+            "--endpoint", "/v1/completions", "--base-url", base_url, "--model", name,
+            "--tokenizer", model, "--save-result", "--save-detailed", "--result-dir",
+            str(result.parent), "--result-filename", result.name, "--num-warmups", "0",
+            "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]  # fmt: skip
+
+
+def multi_turn_dataset(path: Path, args: argparse.Namespace) -> int:
+    """Conversations as a custom dataset in turn order: turn k of every conversation before
+    turn k+1, each prompt the whole history so far. Returns the number of prompts."""
+    rng = random.Random(args.seed)
+    words = ["ledger", "entry", "costs", "coins", "weighs", "grams", "item", "answer", "total"]
+    conversations = max(1, args.concurrency)
+    turns = max(1, args.num_prompts // conversations)
+    history = [f"Conversation {c}. " for c in range(conversations)]
+    lines = []
+    for _ in range(turns):
+        for c in range(conversations):
+            history[c] += " ".join(rng.choice(words) for _ in range(args.input_len // 4)) + ". "
+            lines.append(json.dumps({"prompt": history[c]}))
+            history[c] += " ".join(rng.choice(words) for _ in range(args.output_len // 2)) + ". "
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def workload_runs(
+    workload: str, args: argparse.Namespace, out: Path
+) -> list[tuple[str, list[str]]]:
+    """(label, extra ``vllm bench serve`` arguments) for each client the workload runs at once."""
+    common = ["--seed", str(args.seed), "--ignore-eos"]
+    n, c, o = str(args.num_prompts), str(args.concurrency), str(args.output_len)
+    if workload == "random":
+        return [(workload, [*common, "--dataset-name", "random", "--random-input-len",
+                            str(args.input_len), "--random-output-len", o, "--num-prompts", n,
+                            "--max-concurrency", c])]  # fmt: skip
+    if workload == "shared_prefix":
+        prefix, suffix = args.input_len * 3 // 4, args.input_len // 4
+        return [(workload, [*common, "--dataset-name", "prefix_repetition",
+                            "--prefix-repetition-prefix-len", str(prefix),
+                            "--prefix-repetition-suffix-len", str(suffix),
+                            "--prefix-repetition-num-prefixes", "4",
+                            "--prefix-repetition-output-len", o, "--num-prompts", n,
+                            "--max-concurrency", c])]  # fmt: skip
+    if workload == "multi_turn":
+        dataset = out / "multi_turn.jsonl"
+        count = multi_turn_dataset(dataset, args)
+        return [(workload, [*common, "--dataset-name", "custom", "--dataset-path", str(dataset),
+                            "--custom-output-len", o, "--disable-shuffle", "--num-prompts",
+                            str(count), "--max-concurrency", c])]  # fmt: skip
+    if workload == "mixed":
+        short_c = str(max(1, args.concurrency - 1))
+        return [
+            ("mixed", [*common, "--dataset-name", "random", "--random-input-len", "128",
+                       "--random-output-len", o, "--num-prompts", n, "--max-concurrency",
+                       short_c]),
+            ("mixed_long", [*common, "--dataset-name", "random", "--random-input-len",
+                            str(args.long_len), "--random-output-len", "8", "--num-prompts",
+                            str(args.long_prompts), "--max-concurrency", "1",
+                            "--seed", str(args.seed + 1)]),
+        ]  # fmt: skip
+    raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+
+
+def run_workload(
+    workload: str, url: str, args: argparse.Namespace, model: str, name: str, out: Path
+) -> dict[str, dict[str, Any]]:
+    """Run the workload's clients at once; returns vLLM's detailed result per label."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    running = []
+    for label, extra in workload_runs(workload, args, out):
+        result = out / f"{label}.json"
+        result.unlink(missing_ok=True)
+        log = open(out / f"{label}.log", "wb")  # noqa: SIM115 (closed below)
+        argv = [*_client_argv(url, model, name, result), *extra]
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        running.append((label, result, log, process))
+    results = {}
+    for label, result, log, process in running:
+        code = process.wait()
+        log.close()
+        if code != 0 or not result.exists():
+            raise RuntimeError(f"vllm bench serve ({label}) failed with {code}; see {log.name}")
+        results[label] = json.loads(result.read_text())
+    return results
+
+
+def gateway_counters(url: str) -> dict[str, float]:
+    with _NO_PROXY.open(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        if COUNTERS.match(line):
+            key, _, value = line.rpartition(" ")
+            counters[key] = float(value)
+    return counters
+
+
+# ---- the run -----------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from pdserve.model import resolve_model
+    from pdserve.up import served_model_name
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    systems = [s for s in args.systems.split(",") if s]
+    for w in workloads:
+        workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names early
+    out = Path(args.out or tempfile.mkdtemp(prefix="pdserve-bench-serve-")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model, name = resolve_model(None), served_model_name("")
+    info = machine.describe()
+    print(f"bench serve: {info['cpu_model']} ({info['cores']} cores, ISA {' '.join(info['isa'])})")
+    print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; results in {out}")
+    raw: dict[str, dict[str, dict[str, Any]]] = {}  # label -> system -> vLLM result
+    counters: dict[str, dict[str, dict[str, float]]] = {}
+    for system in systems:
+        server = pdserve_cluster(args, out) if system == "pdserve" else None
+        server = server or monolith(args, model, name, out)
+        with server as url:
+            for i, workload in enumerate(workloads, 1):
+                print(f"  [{system}] workload {i}/{len(workloads)}: {workload} ...", flush=True)
+                before = gateway_counters(url) if system == "pdserve" else {}
+                started = time.monotonic()
+                for label, result in run_workload(workload, url, args, model, name, out).items():
+                    raw.setdefault(label, {})[system] = result
+                if system == "pdserve":
+                    after = gateway_counters(url)
+                    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    counters[workload] = {"pdserve": {k: v for k, v in delta.items() if v}}
+                print(f"  [{system}] {workload} done in {time.monotonic() - started:.0f} s")
+    report = build_report(raw, counters, info, args)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    try:
+        plots = bench_report.plot(raw, out)
+    except ImportError:
+        plots = []
+        print("  (matplotlib is not installed: no plots)")
+    print(bench_report.table(report["rows"]))
+    for r in report["ratios"]:
+        print(f"  {r['workload']}: pdserve/vllm throughput x{r['throughput']:.2f}; latency "
+              f"better by TTFT p99 x{r['ttft_p99_better']:.2f}, ITL p50 x{r['itl_p50_better']:.2f}"
+              f", ITL p99 x{r['itl_p99_better']:.2f}")  # fmt: skip
+    print(f"results: {out / 'results.json'}; plots: {', '.join(p.name for p in plots) or '-'}")
+    return 0
+
+
+def build_report(
+    raw: dict[str, dict[str, dict[str, Any]]],
+    counters: dict[str, Any],
+    info: dict[str, Any],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    rows = []
+    for label, by_system in raw.items():
+        baseline = by_system.get("vllm")
+        slo = None
+        if args.slo_ttft_ms and args.slo_tpot_ms:
+            slo = bench_report.Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+        elif baseline is not None:
+            slo = bench_report.slo_from(baseline)
+        for system, result in by_system.items():
+            row = {"workload": label, "system": system, **bench_report.summarize(result, slo)}
+            rows.append(row)
+    return {
+        "machine": info,
+        "settings": {k: v for k, v in vars(args).items() if isinstance(v, str | int | float)},
+        "rows": rows,
+        "ratios": bench_report.ratios(rows, "pdserve", "vllm"),
+        "pdserve_counters": counters,
+    }
