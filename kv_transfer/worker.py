@@ -99,10 +99,12 @@ class WorkerSide:
         )
 
     def start_jobs(self, meta: StepMetadata) -> None:
+        """Hand this step's jobs to the agent; never blocks (the channel queues them)."""
         assert self.agent is not None
         for req, blocks in meta.serve.items():
             self.served.add(req)
-            self.agent.channel.send({"op": "serve", "req": req, "blocks": blocks})
+            digest = meta.serve_digests.get(req, "")
+            self.agent.channel.send({"op": "serve", "req": req, "blocks": blocks, "digest": digest})
         for job in meta.pull:
             if job.error:
                 self.failed_now.append(
@@ -119,6 +121,7 @@ class WorkerSide:
                     "remote_req": job.remote_req_id,
                     "remote_blocks": job.remote_blocks,
                     "local_blocks": job.local_blocks,
+                    "digest": job.digest,
                 }
             )
         for rel in meta.release:
