@@ -76,6 +76,7 @@ class Producer:
         # A pull names at most every block once more than the cache has (duplicates refused).
         self.frame_limit = CONTROL_FRAME + _BLOCK_ID_BYTES * config.layout.num_blocks
         self.slots = threading.BoundedSemaphore(config.max_connections)
+        self.refusals = 0
         self.listener = socket.create_server((config.bind_host, config.port), backlog=128)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
@@ -147,11 +148,19 @@ class Producer:
                 try:
                     server_handshake(conn, self.secret)
                 except (AuthenticationFailed, OSError, ValueError) as exc:
-                    log.warning("refused a KV connection from %s: %s", peer[0], exc)
+                    self._log_refusal(peer, exc)
                     return
                 self._serve_requests(conn)
         finally:
             self.slots.release()
+
+    def _log_refusal(self, peer: Any, exc: Exception) -> None:
+        """The first refusals and then every 1000th: a flood must not flood the log too."""
+        with self.cond:
+            self.refusals += 1
+            count = self.refusals
+        if count <= 10 or count % 1000 == 0:
+            log.warning("refused KV connection #%d from %s: %s", count, peer[0], exc)
 
     def _serve_requests(self, conn: socket.socket) -> None:
         try:

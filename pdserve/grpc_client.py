@@ -68,7 +68,7 @@ def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_METADATA, request_id),) if request_id else ()
 
 
-_DEFAULT = object()
+DEPLOYMENT_SECRET: Any = object()  # GrpcClient's default: pdserve.secret.deployment_secret()
 
 
 class GrpcClient:
@@ -79,7 +79,7 @@ class GrpcClient:
     """
 
     def __init__(
-        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = _DEFAULT
+        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = DEPLOYMENT_SECRET
     ) -> None:
         """``secret``: bytes, None (send no token), or by default the process's deployment
         secret (``pdserve.secret.deployment_secret``)."""
@@ -87,7 +87,7 @@ class GrpcClient:
 
         self.address = address
         self.default_timeout_s = default_timeout_s
-        self.secret: bytes | None = deployment_secret() if secret is _DEFAULT else secret
+        self.secret: bytes | None = deployment_secret() if secret is DEPLOYMENT_SECRET else secret
         self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
     def _metadata(self, method: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
