@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kv_transfer.agent import AgentConfig
+from kv_transfer.compat import layer_bytes
 from kv_transfer.errors import UnsupportedKVCache
 from kv_transfer.handle import AgentHandle
 from kv_transfer.layout import LayerSpan, Layout
@@ -82,7 +83,11 @@ class WorkerSide:
             role=self.role,
             layout=layout,
             region_fds=tuple(fds),
-            compat={**self.compat, "bytes_per_block": str(layout.bytes_per_block)},
+            compat={
+                **self.compat,
+                "bytes_per_block": str(layout.bytes_per_block),
+                "layer_bytes": layer_bytes([span.block_bytes for span in layout.layers]),
+            },
             **self.agent_settings,
         )
         self.agent = AgentHandle.start(config)
