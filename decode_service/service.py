@@ -3,6 +3,10 @@
 With a hand-off, the connector pulls the blocks the local prefix cache lacks and the engine
 computes only the last prompt token; without one the engine computes the prompt itself. The
 final event carries usage and what the connector measured (``TransferStats``).
+
+A hand-off that is not for this request's prompt, or not sealed with the deployment secret
+(``kv_transfer.seal``), is refused before the engine sees the request (INVALID_ARGUMENT); the
+connector checks it again, so nothing foreign is ever pulled into, or cached by, the engine.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_transfer import seal
 from kv_transfer.client import release
+from kv_transfer.errors import KVTransferError, PromptMismatch
 from pdserve.worker.errors import InvalidRequest, KVTransferFailed
 from pdserve.worker.sampling import to_vllm
 from pdserve.worker.service import WorkerService
@@ -83,6 +89,8 @@ class DecodeService(WorkerService):
         try:
             if not token_ids:
                 raise InvalidRequest("prompt_token_ids is empty")
+            if handoff:
+                self._check_handoff(handoff, token_ids)
             extra = {"kv_transfer_params": handoff} if handoff else None
             sampling = to_vllm(
                 params,
@@ -126,16 +134,28 @@ class DecodeService(WorkerService):
         event.cached_tokens = int(output.num_cached_tokens or 0)
         event.transfer = stats
 
+    def _check_handoff(self, handoff: dict[str, Any], token_ids: list[int]) -> None:
+        try:
+            seal.verify(handoff, token_ids, self.secret)
+        except PromptMismatch as exc:
+            if not seal.is_genuine(handoff, self.secret):
+                handoff.clear()  # never act on a forged hand-off, not even to release it
+            raise InvalidRequest(str(exc)) from exc
+
     async def _release(self, handoff: dict[str, Any] | None) -> None:
-        """Unpin the prefill worker's blocks of a request this worker will not run."""
+        """Unpin the prefill worker's blocks of a request this worker will not run (on every
+        TP rank of the prefill worker: rank r's agent listens on remote_port + r)."""
         if not handoff or not handoff.get("remote_host"):
             return
-        try:
-            await asyncio.to_thread(
-                release,
-                str(handoff["remote_host"]),
-                int(handoff["remote_port"]),
-                str(handoff["remote_request_id"]),
-            )
-        except OSError as exc:
-            log.warning("could not unpin rejected request's blocks: %s", exc)
+        host, port = str(handoff["remote_host"]), int(handoff["remote_port"])
+        for rank in range(max(1, int(handoff.get(seal.TP_SIZE) or 1))):
+            try:
+                await asyncio.to_thread(
+                    release,
+                    host,
+                    port + rank,
+                    str(handoff["remote_request_id"]),
+                    secret=self.secret,
+                )
+            except (OSError, KVTransferError) as exc:
+                log.warning("could not unpin rejected request's blocks: %s", exc)

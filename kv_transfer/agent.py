@@ -19,10 +19,10 @@ import mmap
 import os
 import socket
 import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_transfer.auth import load_secret
 from kv_transfer.layout import Layout
 from kv_transfer.wire import LineChannel
 
@@ -41,6 +41,10 @@ class AgentConfig:
     register_wait_s: float = 10.0
     io_timeout_s: float = 30.0
     max_parallel: int = 8
+    # File holding the deployment secret ("" = none: the port is open, see kv_transfer.auth).
+    secret_file: str = ""
+    # Producer: connections served at once; more are closed at accept.
+    max_connections: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,18 +62,19 @@ class AgentConfig:
 
 
 class Reporter:
-    """Thread-safe sender of results to the worker."""
+    """Sender of results to the worker that never blocks its caller.
+
+    The worker reads results once per engine step, and an idle engine takes no steps: a
+    blocking write would stall whoever reports (often while holding the producer's lock).
+    Results are queued and written by one writer thread instead (``LineChannel``).
+    """
 
     def __init__(self, channel: LineChannel) -> None:
         self.channel = channel
-        self.lock = threading.Lock()
+        channel.start_writer("kv-report")
 
     def send(self, message: dict[str, Any]) -> None:
-        with self.lock:
-            try:
-                self.channel.send(message)
-            except OSError:
-                log.warning("worker control channel is gone; dropping %s", message.get("op"))
+        self.channel.send(message)
 
 
 def map_regions(config: AgentConfig) -> list[memoryview]:
@@ -90,22 +95,28 @@ def run(ctrl_fd: int) -> int:
         log.error("expected a config message first, got %r", first)
         return 2
     config = AgentConfig.from_json(first["config"])
+    try:
+        secret = load_secret(config.secret_file)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     regions = map_regions(config)
     reporter = Reporter(channel)
     if config.role == "producer":
         from kv_transfer.producer import Producer
 
-        agent: Any = Producer(config, regions, reporter)
+        agent: Any = Producer(config, regions, reporter, secret)
     else:
         from kv_transfer.consumer import Consumer
 
-        agent = Consumer(config, regions, reporter)
+        agent = Consumer(config, regions, reporter, secret)
     reporter.send({"op": "ready", "port": agent.port, "pid": os.getpid()})
     while (message := channel.recv()) is not None:
         if message.get("op") == "stop":
             break
         agent.handle(message)
     agent.close()
+    channel.close_writer()
     return 0
 
 

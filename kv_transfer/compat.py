@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from kv_transfer.errors import IncompatibleWorkers
+
+# Bumped when the meaning of the bytes on the wire or of a hand-off changes.
+WIRE_VERSION = "2"
+# Weights identity: bytes sampled per weight file (start, end and evenly spaced chunks).
+_SAMPLE_CHUNK = 64 * 1024
+_SAMPLE_CHUNKS = 16
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 # Keys that describe one side only and may differ between a prefill and a decode worker.
 LOCAL_KEYS = frozenset({"num_blocks"})
@@ -32,10 +41,53 @@ def model_fingerprint(hf_config: Any) -> str:
             "head_dim",
             "vocab_size",
             "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "partial_rotary_factor",
+            "max_position_embeddings",
+            "sliding_window",
+            "layer_types",
+            "quantization_config",
+            "torch_dtype",
         )
     }
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def weights_identity(model: str, revision: str | None = None) -> str:
+    """A short hash that differs between two sets of weights, cheap even for huge models.
+
+    For a local model directory: every weight file's name and size, and ``_SAMPLE_CHUNKS``
+    chunks of its bytes (first, last and evenly spaced): fine-tuned weights of the same shapes
+    differ in every chunk, so a rolling upgrade cannot pair old and new workers, while reading
+    ~1 MiB per file keeps this fast on multi-GB checkpoints. Index and config files are
+    hashed whole. For a hub name: the name and revision (the hub pins the content).
+    """
+    root = Path(model)
+    h = hashlib.sha256()
+    if not root.is_dir():
+        h.update(f"{model}@{revision or 'main'}".encode())
+        return h.hexdigest()[:16]
+    for path in sorted(root.rglob("*")):
+        if not path.is_file():
+            continue
+        name = str(path.relative_to(root))
+        if path.name.endswith(_WEIGHT_SUFFIXES):
+            h.update(name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
+            _sample(path, h)
+        elif path.name.endswith(".index.json") or path.name == "config.json":
+            h.update(name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _sample(path: Path, h: Any) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        step = max(size // _SAMPLE_CHUNKS, 1)
+        for offset in sorted({*range(0, size, step), max(size - _SAMPLE_CHUNK, 0)}):
+            f.seek(offset)
+            h.update(f.read(_SAMPLE_CHUNK))
 
 
 def attention_isa(vllm_config: Any) -> str:
@@ -68,7 +120,10 @@ def describe(vllm_config: Any) -> dict[str, str]:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     return {
+        "connector": f"PdserveConnector/{WIRE_VERSION}",
         "model": model_fingerprint(model.hf_config),
+        "weights": weights_identity(str(model.model), getattr(model, "revision", None)),
+        "quantization": str(getattr(model, "quantization", None) or "none"),
         "dtype": str(model.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "block_size": str(vllm_config.cache_config.block_size),
@@ -78,7 +133,21 @@ def describe(vllm_config: Any) -> dict[str, str]:
         "tensor_parallel_size": str(parallel.tensor_parallel_size),
         "platform": str(current_platform.device_type),
         "attention_isa": attention_isa(vllm_config),
+        # Unresolved ("auto") until the engine core resolves it; an explicit choice differs.
+        "kv_cache_layout": str(
+            getattr(vllm_config.cache_config, "kv_cache_layout", None) or "auto"
+        ),
+        "kv_cache_layout_env": os.environ.get("VLLM_KV_CACHE_LAYOUT", "") or "-",
     }
+
+
+def layer_bytes(block_bytes: list[int]) -> str:
+    """Bytes per block of every layer, compactly ("12x4096" or "4096,8192,..."): two workers
+    with the same total but another split over layers must not exchange blocks."""
+    if block_bytes and len(set(block_bytes)) == 1:
+        return f"{len(block_bytes)}x{block_bytes[0]}"
+    text = ",".join(map(str, block_bytes))
+    return text if len(text) <= 200 else hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def mismatches(ours: dict[str, str], theirs: dict[str, str]) -> dict[str, tuple[str, str]]:

@@ -13,7 +13,8 @@ vLLM makes one instance in the EngineCore process (role SCHEDULER) and one per w
 Extra config keys: ``kv_host`` (address decode workers use to reach this prefill worker),
 ``kv_bind_host`` (default 0.0.0.0), ``kv_port`` (producer's transfer port; TP rank r uses
 kv_port + r), ``lease_s`` (30), ``register_wait_s`` (10), ``io_timeout_s`` (30),
-``compat`` (the description from ``kv_transfer.compat.describe``, filled in if absent).
+``compat`` (the description from ``kv_transfer.compat.describe``, filled in if absent),
+``secret_file`` (file holding the deployment secret; "" = run open, see ``kv_transfer.auth``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_transfer import compat
+from kv_transfer.auth import load_secret
 from kv_transfer.metadata import StepMetadata
 from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
 from kv_transfer.worker import WorkerSide
@@ -55,15 +57,19 @@ class PdserveConnector(KVConnectorBase_V1):
         if transfer.is_kv_producer and transfer.is_kv_consumer:
             raise ValueError("PdserveConnector needs kv_role kv_producer or kv_consumer, not both")
         port = int(extra.get("kv_port", 15100))
+        secret_file = str(extra.get("secret_file") or "")
         self.producer: ProducerScheduler | None = None
         self.consumer: ConsumerScheduler | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            secret = load_secret(secret_file)
             if self.is_producer:
                 host = str(extra.get("kv_host") or "127.0.0.1")
-                self.producer = ProducerScheduler(Endpoint(str(transfer.engine_id), host, port))
+                endpoint = Endpoint(str(transfer.engine_id), host, port)
+                tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+                self.producer = ProducerScheduler(endpoint, secret, tp_size)
             else:
-                self.consumer = ConsumerScheduler(vllm_config.cache_config.block_size)
+                self.consumer = ConsumerScheduler(vllm_config.cache_config.block_size, secret)
             return
         rank = _tp_rank()
         self.worker = WorkerSide(
@@ -75,6 +81,7 @@ class PdserveConnector(KVConnectorBase_V1):
                 "lease_s": float(extra.get("lease_s", 30.0)),
                 "register_wait_s": float(extra.get("register_wait_s", 10.0)),
                 "io_timeout_s": float(extra.get("io_timeout_s", 30.0)),
+                "secret_file": secret_file,
             },
         )
         self.port_offset = rank
@@ -88,8 +95,13 @@ class PdserveConnector(KVConnectorBase_V1):
         assert self.worker is not None
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMetadata):
+            # TP rank r pulls from, and releases on, the producer's rank r (kv_port + r):
+            # every rank's agent pins its own share of the blocks.
             for job in meta.pull:
-                job.port += self.port_offset
+                if job.port:
+                    job.port += self.port_offset
+            for rel in meta.release:
+                rel.port += self.port_offset
             self.worker.start_jobs(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

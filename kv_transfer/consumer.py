@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kv_transfer.agent import AgentConfig, Reporter
+from kv_transfer.auth import connect
 from kv_transfer.client import release
 from kv_transfer.errors import KVTransferError
 from kv_transfer.wire import recv_frame, recv_views, send_frame, tune
@@ -26,8 +27,15 @@ log = logging.getLogger("kv_transfer.consumer")
 
 
 class Consumer:
-    def __init__(self, config: AgentConfig, regions: list[memoryview], reporter: Reporter):
+    def __init__(
+        self,
+        config: AgentConfig,
+        regions: list[memoryview],
+        reporter: Reporter,
+        secret: bytes | None = None,
+    ):
         self.config = config
+        self.secret = secret
         self.regions = regions
         self.reporter = reporter
         self.port = 0
@@ -61,7 +69,7 @@ class Consumer:
             conns = self.idle.get(peer)
             if conns:
                 return conns.pop()
-        conn = socket.create_connection(peer, timeout=self.config.io_timeout_s)
+        conn = connect(peer[0], peer[1], self.secret, self.config.io_timeout_s)
         tune(conn)
         return conn
 
@@ -79,8 +87,8 @@ class Consumer:
 
     def _release_job(self, job: dict[str, Any]) -> None:
         try:
-            release(job["host"], int(job["port"]), str(job["remote_req"]))
-        except OSError as exc:
+            release(job["host"], int(job["port"]), str(job["remote_req"]), secret=self.secret)
+        except (OSError, KVTransferError) as exc:
             log.warning(
                 "could not release %s on %s:%s: %s",
                 job["remote_req"],
@@ -134,9 +142,14 @@ class Consumer:
         layout.check_blocks(local)
         expected = len(local) * layout.bytes_per_block
         conn.settimeout(self.config.io_timeout_s)
-        request = {"op": "pull", "req": job["remote_req"], "blocks": remote}
+        request = {
+            "op": "pull",
+            "req": job["remote_req"],
+            "blocks": remote,
+            "digest": job.get("digest", ""),
+        }
         send_frame(conn, {**request, "compat": self.config.compat})
-        header = recv_frame(conn)
+        header = recv_frame(conn)  # bounded: an answer, never more than CONTROL_FRAME
         if not header.get("ok"):
             raise KVTransferError(str(header.get("error", "refused")))
         if int(header["nbytes"]) != expected:

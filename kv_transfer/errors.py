@@ -15,3 +15,7 @@ class UnknownRequest(KVTransferError):
 
 class UnsupportedKVCache(KVTransferError):
     """The KV cache cannot be served by this connector (e.g. device memory)."""
+
+
+class PromptMismatch(KVTransferError):
+    """A hand-off does not belong to the prompt it was sent with (or its seal is not genuine)."""

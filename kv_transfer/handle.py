@@ -39,6 +39,8 @@ class AgentHandle:
         ours.settimeout(AGENT_START_TIMEOUT_S)
         ready = channel.recv()
         ours.settimeout(None)
+        # From now on sends are queued: the engine thread never blocks on the agent.
+        channel.start_writer("kv-ctrl")
         if not ready or ready.get("op") != "ready":
             process.kill()
             raise KVTransferError(
@@ -50,6 +52,7 @@ class AgentHandle:
     def stop(self) -> None:
         try:
             self.channel.send({"op": "stop"})
+            self.channel.close_writer()
             self.process.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             self.process.kill()

@@ -25,6 +25,8 @@ class PullJob:
     # Set when the scheduler already knows the pull cannot work; the worker then reports
     # the request as a failed receive without contacting anyone.
     error: str = ""
+    # The prompt digest of the hand-off: the producer serves only a pull that names it.
+    digest: str = ""
 
 
 @dataclass
@@ -39,13 +41,18 @@ class StepMetadata(KVConnectorMetadata):
     """Scheduler -> worker: what to start this step."""
 
     serve: dict[str, list[int]] = field(default_factory=dict)  # producer: req -> blocks
+    serve_digests: dict[str, str] = field(default_factory=dict)  # producer: req -> prompt digest
     pull: list[PullJob] = field(default_factory=list)  # consumer
     release: list[ReleaseJob] = field(default_factory=list)  # consumer
 
 
 @dataclass
 class TransferReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: per-request results of finished pulls this step."""
+    """Worker -> scheduler: per-request results of finished pulls this step.
+
+    With tensor parallelism every rank pulls its share of each block: vLLM aggregates the
+    ranks' reports, so bytes add up, the time is the slowest rank's, and a request is ok only
+    when every rank's pull was."""
 
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -54,6 +61,9 @@ class TransferReport(KVConnectorWorkerMetadata):
             for req, result in other.results.items():
                 mine = self.results.setdefault(req, dict(result))
                 if mine is not result:
-                    mine["bytes"] = max(mine.get("bytes", 0), result.get("bytes", 0))
+                    mine["bytes"] = mine.get("bytes", 0) + result.get("bytes", 0)
+                    mine["seconds"] = max(mine.get("seconds", 0.0), result.get("seconds", 0.0))
                     mine["ok"] = mine.get("ok", False) and result.get("ok", False)
+                    if not result.get("ok") and result.get("error"):
+                        mine.setdefault("error", result["error"])
         return self

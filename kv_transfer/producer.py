@@ -5,7 +5,13 @@ finished the prefill; a decode worker's pull may arrive before that, so a pull w
 ``register_wait_s`` for its job. Every job ends exactly once, reported to the worker as
 ``finished`` so the engine unpins the blocks: after a completed pull ("sent"), a failed one
 ("error"), an explicit release ("released"), or when its lease runs out ("lease"). A job is
-never expired while its blocks are being sent.
+never expired while its blocks are being sent; ``renew`` pushes an unpulled job's lease out.
+
+Only peers that pass the handshake of ``kv_transfer.auth`` may pull, release or renew; the
+number of connections served at once is capped, every frame is bounded before it is read, and
+nothing blocks while the job lock is held (results go through the non-blocking ``Reporter``).
+A job remembers its prompt's digest (from the engine's hand-off) and serves only a pull that
+names the same digest, so blocks are never handed out for another prompt.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from typing import Any
 
 from kv_transfer import compat
 from kv_transfer.agent import AgentConfig, Reporter
-from kv_transfer.errors import KVTransferError, UnknownRequest
+from kv_transfer.auth import AuthenticationFailed, server_handshake
+from kv_transfer.errors import KVTransferError, PromptMismatch, UnknownRequest
 from kv_transfer.wire import (
+    CONTROL_FRAME,
     ConnectionClosed,
     encode_frame,
     recv_frame,
@@ -32,26 +40,43 @@ from kv_transfer.wire import (
 
 log = logging.getLogger("kv_transfer.producer")
 
-# A release that arrives before its job is remembered this long.
+# A release that arrives before its job is remembered this long, and at most this many.
 EARLY_RELEASE_TTL_S = 120.0
+MAX_EARLY_RELEASES = 4096
+# An unauthenticated peer gets this long to complete the handshake.
+HANDSHAKE_TIMEOUT_S = 5.0
+# Bytes of one block id in a JSON list, at most ("4294967295,").
+_BLOCK_ID_BYTES = 11
 
 
 @dataclass
 class Job:
     blocks: list[int]
     deadline: float
+    digest: str = ""
     in_flight: bool = False
 
 
 class Producer:
-    def __init__(self, config: AgentConfig, regions: list[memoryview], reporter: Reporter):
+    def __init__(
+        self,
+        config: AgentConfig,
+        regions: list[memoryview],
+        reporter: Reporter,
+        secret: bytes | None = None,
+    ):
         self.config = config
         self.regions = regions
         self.reporter = reporter
+        self.secret = secret
         self.jobs: dict[str, Job] = {}
         self.early_releases: dict[str, float] = {}
         self.cond = threading.Condition()
         self.closed = False
+        # A pull names at most every block once more than the cache has (duplicates refused).
+        self.frame_limit = CONTROL_FRAME + _BLOCK_ID_BYTES * config.layout.num_blocks
+        self.slots = threading.BoundedSemaphore(config.max_connections)
+        self.refusals = 0
         self.listener = socket.create_server((config.bind_host, config.port), backlog=128)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
@@ -63,11 +88,12 @@ class Producer:
             log.warning("unknown control message %r", message.get("op"))
             return
         req, blocks = str(message["req"]), [int(b) for b in message["blocks"]]
+        digest = str(message.get("digest") or "")
         with self.cond:
             if self.early_releases.pop(req, None) is not None:
                 self._finish(req, "released")
                 return
-            self.jobs[req] = Job(blocks, time.monotonic() + self.config.lease_s)
+            self.jobs[req] = Job(blocks, time.monotonic() + self.config.lease_s, digest)
             self.cond.notify_all()
 
     def close(self) -> None:
@@ -75,7 +101,7 @@ class Producer:
         self.listener.close()
 
     def _finish(self, req: str, reason: str, **stats: Any) -> None:
-        """Report the job's end; caller holds ``cond``."""
+        """Report the job's end; caller holds ``cond`` (reporting never blocks)."""
         self.jobs.pop(req, None)
         self.reporter.send({"op": "finished", "req": req, "reason": reason, **stats})
 
@@ -94,28 +120,60 @@ class Producer:
 
     # ---- network side ------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        refused = 0
         while not self.closed:
             try:
-                conn, _ = self.listener.accept()
+                conn, peer = self.listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+            if not self.slots.acquire(blocking=False):
+                conn.close()  # over the cap: refuse at once rather than queue a thread
+                refused += 1
+                if refused == 1 or refused % 1000 == 0:
+                    log.warning(
+                        "KV port has %d connections open; refused %d (latest from %s)",
+                        self.config.max_connections,
+                        refused,
+                        peer[0],
+                    )
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn, peer), daemon=True).start()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        """Serve requests on one connection until the peer closes it (pulls reuse it)."""
-        with conn:
-            tune(conn)
-            try:
-                while not self.closed:
-                    conn.settimeout(None)  # idle between requests is fine
-                    try:
-                        request = recv_frame(conn)
-                    except ConnectionClosed:
-                        return
-                    conn.settimeout(self.config.io_timeout_s)
-                    self._serve_one(conn, request)
-            except (OSError, ValueError) as exc:
-                log.warning("transfer connection failed: %s", exc)
+    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
+        """Authenticate the peer, then serve its requests until it closes (pulls reuse it)."""
+        try:
+            with conn:
+                tune(conn)
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                try:
+                    server_handshake(conn, self.secret)
+                except (AuthenticationFailed, OSError, ValueError) as exc:
+                    self._log_refusal(peer, exc)
+                    return
+                self._serve_requests(conn)
+        finally:
+            self.slots.release()
+
+    def _log_refusal(self, peer: Any, exc: Exception) -> None:
+        """The first refusals and then every 1000th: a flood must not flood the log too."""
+        with self.cond:
+            self.refusals += 1
+            count = self.refusals
+        if count <= 10 or count % 1000 == 0:
+            log.warning("refused KV connection #%d from %s: %s", count, peer[0], exc)
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        try:
+            while not self.closed:
+                conn.settimeout(None)  # idle between requests is fine
+                try:
+                    request = recv_frame(conn, self.frame_limit)
+                except ConnectionClosed:
+                    return
+                conn.settimeout(self.config.io_timeout_s)
+                self._serve_one(conn, request)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("transfer connection failed: %s", exc)
 
     def _serve_one(self, conn: socket.socket, request: dict[str, Any]) -> None:
         op = request.get("op")
@@ -123,6 +181,8 @@ class Producer:
             self._serve_pull(conn, request)
         elif op == "release":
             send_frame(conn, {"ok": True, "found": self._release(str(request["req"]))})
+        elif op == "renew":
+            send_frame(conn, {"ok": True, "found": self._renew(str(request["req"]))})
         else:
             send_frame(conn, {"ok": False, "error": f"unknown operation {op!r}"})
 
@@ -130,13 +190,30 @@ class Producer:
         with self.cond:
             job = self.jobs.get(req)
             if job is None:
-                self.early_releases[req] = time.monotonic()
+                self._remember_early_release(req)
                 return False
             if not job.in_flight:
                 self._finish(req, "released")
             return True
 
-    def _claim(self, req: str, blocks: list[int]) -> Job:
+    def _remember_early_release(self, req: str) -> None:
+        """Caller holds ``cond``. Bounded: the oldest is forgotten first (its lease still
+        unpins the blocks, later)."""
+        self.early_releases.pop(req, None)
+        self.early_releases[req] = time.monotonic()
+        while len(self.early_releases) > MAX_EARLY_RELEASES:
+            del self.early_releases[next(iter(self.early_releases))]
+
+    def _renew(self, req: str) -> bool:
+        """Push an unpulled job's lease out to ``lease_s`` from now; False if there is none."""
+        with self.cond:
+            job = self.jobs.get(req)
+            if job is None:
+                return False
+            job.deadline = max(job.deadline, time.monotonic() + self.config.lease_s)
+            return True
+
+    def _claim(self, req: str, blocks: list[int], digest: str) -> Job:
         """Wait for the job, check the blocks, and mark it in flight."""
         deadline = time.monotonic() + self.config.register_wait_s
         with self.cond:
@@ -151,6 +228,11 @@ class Producer:
             job = self.jobs[req]
             if job.in_flight:
                 raise UnknownRequest(f"request {req} is already being pulled")
+            if job.digest and digest != job.digest:
+                raise PromptMismatch(
+                    f"request {req} on this prefill worker is for another prompt than the "
+                    "decode worker's (prompt digests differ)"
+                )
             missing = Counter(blocks) - Counter(job.blocks)
             if missing:
                 raise KVTransferError(f"blocks {sorted(missing)[:5]} are not pinned for {req}")
@@ -162,10 +244,10 @@ class Producer:
         try:
             compat.check(self.config.compat, request.get("compat", {}), who="decode worker")
             self.config.layout.check_blocks(blocks)
-            self._claim(req, blocks)
+            self._claim(req, blocks, str(request.get("digest") or ""))
         except (KVTransferError, ValueError) as exc:
             send_frame(conn, {"ok": False, "error": str(exc)})
-            if not isinstance(exc, UnknownRequest):
+            if not isinstance(exc, UnknownRequest | PromptMismatch):
                 self._release(req)  # the decode side gives up on it: unpin now
             return
         started, sent, reason = time.perf_counter(), 0, "error"
@@ -175,7 +257,7 @@ class Producer:
             # One scatter/gather write for header and blocks: the puller wakes up once.
             views = self.config.layout.views(self.regions, blocks)
             sent = send_views(conn, [header, *views]) - len(header)
-            reason = "sent" if recv_frame(conn).get("ok") else "error"
+            reason = "sent" if recv_frame(conn, CONTROL_FRAME).get("ok") else "error"
         finally:
             seconds = time.perf_counter() - started
             with self.cond:

@@ -10,11 +10,14 @@ request reports its transfer statistics (returned as ``kv_transfer_params["pdser
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from kv_transfer import seal
+from kv_transfer.errors import PromptMismatch
 from kv_transfer.metadata import PullJob, ReleaseJob, StepMetadata, TransferReport
 
 log = logging.getLogger(__name__)
@@ -30,9 +33,13 @@ class Endpoint:
 
 
 class ProducerScheduler:
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, secret: bytes | None = None, tp_size: int = 1) -> None:
         self.endpoint = endpoint
+        self.secret = secret
+        self.tp_size = tp_size
+        self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
         self.to_serve: dict[str, list[int]] = {}
+        self.digests: dict[str, str] = {}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
@@ -40,8 +47,10 @@ class ProducerScheduler:
             return False, None
         if request.status not in PINNABLE or not block_ids:
             return False, None  # aborted or failed: nothing for a decode worker to pull
+        digest = seal.prompt_digest(request.prompt_token_ids)
         self.to_serve[request.request_id] = list(block_ids)
-        return True, {
+        self.digests[request.request_id] = digest
+        handoff = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": list(block_ids),
@@ -50,11 +59,15 @@ class ProducerScheduler:
             "remote_host": self.endpoint.host,
             "remote_port": self.endpoint.port,
             "remote_num_tokens": request.num_prompt_tokens,
+            seal.TP_SIZE: self.tp_size,
+            seal.DIGEST: digest,
+            seal.EPOCH: self.epoch,
         }
+        return True, seal.seal(handoff, self.secret)
 
     def build_meta(self, scheduler_output: Any) -> StepMetadata:
-        meta = StepMetadata(serve=self.to_serve)
-        self.to_serve = {}
+        meta = StepMetadata(serve=self.to_serve, serve_digests=self.digests)
+        self.to_serve, self.digests = {}, {}
         return meta
 
 
@@ -74,8 +87,9 @@ class RequestStats:
 
 
 class ConsumerScheduler:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, secret: bytes | None = None) -> None:
         self.block_size = block_size
+        self.secret = secret
         self.to_pull: list[PullJob] = []
         self.to_release: list[ReleaseJob] = []
         self.stats: dict[str, RequestStats] = {}
@@ -95,6 +109,16 @@ class ConsumerScheduler:
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # exactly one transfer per request
+        try:
+            seal.verify(params, request.prompt_token_ids, self.secret)
+        except PromptMismatch as exc:
+            # Fail this request without contacting anyone: nothing is pulled, so nothing
+            # foreign is cached (vLLM caches a failed load's blocks never).
+            log.warning("request %s: %s", request.request_id, exc)
+            local = blocks.get_unhashed_block_ids() if num_external > 0 else []
+            if local:
+                self.to_pull.append(PullJob(request.request_id, "", 0, "", [], local, str(exc)))
+            return
         port = int(params["remote_port"])
         if num_external <= 0:
             self.to_release.append(
@@ -121,6 +145,7 @@ class ConsumerScheduler:
                 remote,
                 local,
                 error,
+                digest=str(params.get(seal.DIGEST, "")),
             )
         )
         stats = self.stats.get(request.request_id)

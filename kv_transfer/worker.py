@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kv_transfer.agent import AgentConfig
+from kv_transfer.compat import layer_bytes
 from kv_transfer.errors import UnsupportedKVCache
 from kv_transfer.handle import AgentHandle
 from kv_transfer.layout import LayerSpan, Layout
@@ -82,7 +83,11 @@ class WorkerSide:
             role=self.role,
             layout=layout,
             region_fds=tuple(fds),
-            compat={**self.compat, "bytes_per_block": str(layout.bytes_per_block)},
+            compat={
+                **self.compat,
+                "bytes_per_block": str(layout.bytes_per_block),
+                "layer_bytes": layer_bytes([span.block_bytes for span in layout.layers]),
+            },
             **self.agent_settings,
         )
         self.agent = AgentHandle.start(config)
@@ -99,10 +104,12 @@ class WorkerSide:
         )
 
     def start_jobs(self, meta: StepMetadata) -> None:
+        """Hand this step's jobs to the agent; never blocks (the channel queues them)."""
         assert self.agent is not None
         for req, blocks in meta.serve.items():
             self.served.add(req)
-            self.agent.channel.send({"op": "serve", "req": req, "blocks": blocks})
+            digest = meta.serve_digests.get(req, "")
+            self.agent.channel.send({"op": "serve", "req": req, "blocks": blocks, "digest": digest})
         for job in meta.pull:
             if job.error:
                 self.failed_now.append(
@@ -119,6 +126,7 @@ class WorkerSide:
                     "remote_req": job.remote_req_id,
                     "remote_blocks": job.remote_blocks,
                     "local_blocks": job.local_blocks,
+                    "digest": job.digest,
                 }
             )
         for rel in meta.release:

@@ -2,7 +2,9 @@
 
 One place creates a ``grpc.aio`` channel with the same message-size limits as the servers
 (``pdserve.grpc_server``), builds the per-call metadata (the request id travels as
-``x-request-id``), turns ``grpc.aio.AioRpcError`` into ``RpcCallError`` (so that callers never
+``x-request-id``; with a deployment secret each call carries its ``pdserve.grpc_auth`` token,
+so worker clients made anywhere in the process authenticate), turns
+``grpc.aio.AioRpcError`` into ``RpcCallError`` (so that callers never
 depend on grpc's exception types), and closes the channel.
 """
 
@@ -66,6 +68,9 @@ def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_METADATA, request_id),) if request_id else ()
 
 
+DEPLOYMENT_SECRET: Any = object()  # GrpcClient's default: pdserve.secret.deployment_secret()
+
+
 class GrpcClient:
     """Owns one channel to ``address``; subclasses build their stub from ``self.channel``.
 
@@ -73,10 +78,25 @@ class GrpcClient:
     ``close()``; every call through ``unary``/``stream`` has a deadline.
     """
 
-    def __init__(self, address: str, *, default_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = DEPLOYMENT_SECRET
+    ) -> None:
+        """``secret``: bytes, None (send no token), or by default the process's deployment
+        secret (``pdserve.secret.deployment_secret``)."""
+        from pdserve.secret import deployment_secret
+
         self.address = address
         self.default_timeout_s = default_timeout_s
+        self.secret: bytes | None = deployment_secret() if secret is DEPLOYMENT_SECRET else secret
         self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+
+    def _metadata(self, method: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
+        metadata = request_metadata(request_id)
+        if self.secret is not None:
+            from pdserve.grpc_auth import AUTH_METADATA, token
+
+            metadata += ((AUTH_METADATA, token(self.secret, method)),)
+        return metadata
 
     async def close(self) -> None:
         await self.channel.close()
@@ -105,7 +125,7 @@ class GrpcClient:
             return await call(
                 request,
                 timeout=timeout_s or self.default_timeout_s,
-                metadata=request_metadata(request_id),
+                metadata=self._metadata(method, request_id),
             )
         except grpc.aio.AioRpcError as err:
             raise self._error(method, err) from err
@@ -122,7 +142,7 @@ class GrpcClient:
         rpc = call(
             request,
             timeout=timeout_s or self.default_timeout_s,
-            metadata=request_metadata(request_id),
+            metadata=self._metadata(method, request_id),
         )
         try:
             async for message in rpc:

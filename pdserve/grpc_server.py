@@ -39,9 +39,15 @@ class GrpcServer:
         port: int,
         register: Iterable[Callable[[grpc.aio.Server], None]],
         service_names: Iterable[str],
+        secret: bytes | None = None,
     ) -> None:
+        """With ``secret``, every call but health and reflection must carry a valid
+        ``pdserve.grpc_auth`` token (internal services: the workers)."""
+        from pdserve.grpc_auth import AuthInterceptor
+
         self.address = f"{host}:{port}"
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = [AuthInterceptor(secret)] if secret is not None else []
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer()

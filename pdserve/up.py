@@ -20,7 +20,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings
 
 from pdserve import settings as shared
 from pdserve.redis_server import RedisServer, RedisServerError
+from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.supervisor import ChildSpec, ReadyCheck, Supervisor, SupervisorOptions
 
 PROBE_RPC_TIMEOUT_S = 1.5
@@ -319,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log_dir = Path(s.log_dir).resolve()
     print(f"pdserve up: logs in {log_dir}", flush=True)
+    secret_env = deployment_secret_env(log_dir)
     options = SupervisorOptions(
         log_dir=log_dir, startup_timeout_s=s.startup_timeout_s, grace_s=s.shutdown_grace_s
     )
@@ -332,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve up: private redis-server on {redis.url}", flush=True)
         s = s.model_copy(update={"redis_url": redis.url})
     specs, warning = build_specs(s, detect_gpus(), usable_cores())
+    specs = [replace(spec, env={**spec.env, **secret_env}) for spec in specs]
     if warning:
         print(warning, flush=True)
     banner = ready_banner(s, log_dir)
@@ -341,6 +344,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if redis is not None:
             redis.stop()
+
+
+def deployment_secret_env(log_dir: Path) -> dict[str, str]:
+    """The children's ``PDSERVE_SECRET_FILE``: the caller's, or a fresh secret written to
+    ``<log_dir>/secret`` (mode 0600) for this run. Only the path is passed (and logged)."""
+    if secret_file():
+        return {SECRET_FILE_ENV: str(Path(secret_file()).resolve())}
+    return {SECRET_FILE_ENV: str(write_new(_prepared(log_dir) / "secret"))}
 
 
 def _prepared(log_dir: Path) -> Path:

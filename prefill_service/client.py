@@ -7,16 +7,20 @@ Failed calls raise ``pdserve.grpc_client.RpcCallError``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from pdserve.grpc_client import GrpcClient
+from pdserve.grpc_client import DEPLOYMENT_SECRET, GrpcClient
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class PrefillClient(GrpcClient):
     """One channel to one prefill worker; ``close()`` when done."""
 
-    def __init__(self, address: str, *, default_timeout_s: float = 10.0) -> None:
-        super().__init__(address, default_timeout_s=default_timeout_s)
+    def __init__(
+        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = DEPLOYMENT_SECRET
+    ) -> None:
+        """``secret``: as for ``GrpcClient`` (by default the process's deployment secret)."""
+        super().__init__(address, default_timeout_s=default_timeout_s, secret=secret)
         self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
 
     async def prefill(

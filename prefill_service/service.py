@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer.client import release
+from kv_transfer.errors import KVTransferError
 from pdserve.worker.errors import InvalidRequest, WorkerError
 from pdserve.worker.service import WorkerService
 
@@ -31,6 +32,8 @@ class PrefillResult:
 class PrefillService(WorkerService):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        config = getattr(self.engine, "vllm_config", None)
+        self.tp_size = int(config.parallel_config.tensor_parallel_size) if config else 1
         self.pinned: dict[str, tuple[str, float]] = {}  # request id -> (engine id, expiry)
 
     async def prefill(self, request_id: str, token_ids: list[int]) -> PrefillResult:
@@ -80,8 +83,11 @@ class PrefillService(WorkerService):
             return False
         host = self.settings.kv_bind_host or self.settings.host
         host = "127.0.0.1" if host in ("", "0.0.0.0") else host
-        try:
-            return await asyncio.to_thread(release, host, self.settings.kv_port, pinned[0])
-        except OSError as exc:
-            log.warning("could not unpin %s: %s (its lease will)", request_id, exc)
-            return False
+        found = False
+        for rank in range(self.tp_size):  # every TP rank's agent pins its share of the blocks
+            port = self.settings.kv_port + rank
+            try:
+                found |= await asyncio.to_thread(release, host, port, pinned[0], secret=self.secret)
+            except (OSError, KVTransferError) as exc:
+                log.warning("could not unpin %s: %s (its lease will)", request_id, exc)
+        return found

@@ -66,6 +66,7 @@ def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
     from vllm.config import KVTransferConfig
 
     from kv_transfer import CONNECTOR_MODULE, CONNECTOR_NAME
+    from pdserve.secret import secret_file
 
     role: Literal["kv_producer", "kv_consumer"] = (
         "kv_producer" if settings.role == "prefill" else "kv_consumer"
@@ -87,6 +88,8 @@ def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
             "kv_bind_host": settings.kv_bind_host or settings.host,
             "kv_port": settings.kv_port,
             "lease_s": settings.kv_lease_s,
+            # The path only: vLLM logs its configuration, the secret stays in the file.
+            "secret_file": secret_file(),
         },
     )
 

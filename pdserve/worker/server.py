@@ -17,6 +17,7 @@ import grpc
 from pdserve import __version__
 from pdserve.grpc_client import ERROR_REASON_METADATA
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
+from pdserve.secret import SECRET_FILE_ENV, deployment_secret, is_loopback
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.errors import (
     EngineUnavailable,
@@ -109,10 +110,13 @@ async def serve(
 
     try:
         model = resolve_model(settings.model or None)
+        secret = deployment_secret()
     except ValueError as exc:
         log.error("%s", exc)
         return 1
-    server = GrpcServer(settings.host, settings.port, [register], [service_name])
+    if secret is None and not _may_run_open(settings):
+        return 1
+    server = GrpcServer(settings.host, settings.port, [register], [service_name], secret)
     try:
         await server.start(serving=False)  # NOT_SERVING until the engine has loaded
     except (OSError, RuntimeError) as exc:
@@ -146,6 +150,29 @@ async def serve(
     await server.stop(settings.shutdown_grace_s)
     servicer.service.shutdown()
     return code
+
+
+def _may_run_open(settings: WorkerSettings) -> bool:
+    """Without a deployment secret: refuse reachable addresses, warn on loopback (the policy
+    of docs/deploy.md, "Internal ports and the deployment secret")."""
+    kv_host = settings.kv_bind_host or settings.host
+    exposed = sorted({h for h in (settings.host, kv_host) if not is_loopback(h)})
+    if exposed:
+        log.error(
+            "refusing to listen on %s without a deployment secret: anyone who can reach the "
+            "worker could read or drop its requests' KV cache. Set %s to a file holding a "
+            "secret shared by the deployment (e.g. `openssl rand -hex 32 > secret; chmod 600 "
+            "secret`), or bind to 127.0.0.1",
+            ", ".join(exposed),
+            SECRET_FILE_ENV,
+        )
+        return False
+    log.warning(
+        "no deployment secret (%s unset): this worker's gRPC and KV ports accept any local "
+        "process; `pdserve up` sets one up",
+        SECRET_FILE_ENV,
+    )
+    return True
 
 
 async def _run_until_stopped(engine: Any, stop: asyncio.Event) -> int:

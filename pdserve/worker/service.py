@@ -18,11 +18,13 @@ class WorkerService:
     """Owns the engine of one worker. Subclasses add the role's request path."""
 
     def __init__(self, engine: Any, settings: WorkerSettings, info: EngineInfo) -> None:
+        from pdserve.secret import deployment_secret
         from pdserve.worker.registration import Load
 
         self.engine = engine
         self.settings = settings
         self.info = info
+        self.secret = deployment_secret()  # checked by the server before the engine started
         self.load = Load()  # replaced by the server with the one the engine's stats fill
 
     @contextlib.contextmanager

@@ -51,7 +51,10 @@ ROLE_SETTINGS: dict[str, type[BaseSettings]] = {
     "up": UpSettings,
 }
 # PDSERVE_* variables that are not fields of a settings class, and the file that reads each.
-PROCESS_ENV = {"PDSERVE_CACHE_DIR": ROOT / "pdserve" / "settings.py"}
+PROCESS_ENV = {
+    "PDSERVE_CACHE_DIR": ROOT / "pdserve" / "settings.py",
+    "PDSERVE_SECRET_FILE": ROOT / "pdserve" / "secret.py",
+}
 # The KV connector's /dev/shm must hold the KV cache plus this much.
 SHM_HEADROOM_GIB = 0.5
 

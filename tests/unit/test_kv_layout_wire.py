@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,23 @@ def test_compat_check_names_every_differing_key_and_ignores_local_ones() -> None
     assert "num_blocks" not in message
     compat.check(ours, {**ours, "num_blocks": "1"})
     assert compat.mismatches(ours, {}) != {}
+
+
+def test_weights_identity_tells_fine_tuned_weights_of_the_same_shape_apart(tmp_path: Path) -> None:
+    from kv_transfer.compat import layer_bytes, weights_identity
+
+    base = tmp_path / "base"
+    tuned = tmp_path / "tuned"
+    for root, fill in ((base, 1), (tuned, 2)):
+        root.mkdir()
+        (root / "config.json").write_text('{"hidden_size": 8}')
+        (root / "model.safetensors").write_bytes(bytes([fill]) * 3_000_000)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in base.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    assert weights_identity(str(base)) == weights_identity(str(copy))  # copies agree
+    assert weights_identity(str(base)) != weights_identity(str(tuned))
+    assert weights_identity("org/model", "abc") != weights_identity("org/model", "def")
+    assert layer_bytes([4096] * 30) == "30x4096"
+    assert layer_bytes([4096, 8192]) != layer_bytes([8192, 4096])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from kv_transfer import seal
 from kv_transfer.metadata import TransferReport
 from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
 
@@ -16,6 +17,10 @@ class FakeRequest:
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
     status: Any = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = self.prompt_token_ids or list(range(self.num_prompt_tokens))
 
 
 @dataclass
@@ -32,13 +37,16 @@ class FakeBlocks:
         return [b.block_id for b in self.blocks[0] if b.block_hash is None]
 
 
-def handoff(blocks: list[int]) -> dict[str, Any]:
+def handoff(blocks: list[int], num_tokens: int) -> dict[str, Any]:
+    """A hand-off for a prompt of ``num_tokens`` tokens (ids 0..n-1, as ``FakeRequest``)."""
     return {
         "do_remote_prefill": True,
         "remote_block_ids": blocks,
         "remote_request_id": "p-1",
         "remote_host": "127.0.0.1",
         "remote_port": 15100,
+        "remote_num_tokens": num_tokens,
+        seal.DIGEST: seal.prompt_digest(range(num_tokens)),
     }
 
 
@@ -69,7 +77,7 @@ def test_producer_does_not_pin_aborted_or_plain_requests() -> None:
 
 def test_consumer_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
     consumer = ConsumerScheduler(block_size=128)
-    request = FakeRequest("d-1", 300, handoff([10, 11, 12]))
+    request = FakeRequest("d-1", 300, handoff([10, 11, 12], 300))
     consumer.on_new_request(request)
     # the first block is a local prefix hit: 172 tokens to load, asynchronously
     assert consumer.get_num_new_matched_tokens(request, 128) == (172, True)
@@ -101,7 +109,7 @@ def meta_output(scheduled: dict[str, int] | None = None, new: list[Any] | None =
 
 def test_consumer_releases_the_prefill_blocks_when_it_needs_none() -> None:
     consumer = ConsumerScheduler(block_size=128)
-    request = FakeRequest("d-2", 100, handoff([3]))
+    request = FakeRequest("d-2", 100, handoff([3], 100))
     consumer.update_state_after_alloc(request, FakeBlocks(([],)), 0)
     meta = consumer.build_meta(meta_output())
     assert [(r.host, r.port, r.remote_req_id) for r in meta.release] == [
@@ -111,7 +119,7 @@ def test_consumer_releases_the_prefill_blocks_when_it_needs_none() -> None:
 
 def test_consumer_reports_what_the_engine_computed_and_received() -> None:
     consumer = ConsumerScheduler(block_size=128)
-    request = FakeRequest("d-3", 200, handoff([1, 2]))
+    request = FakeRequest("d-3", 200, handoff([1, 2], 200))
     consumer.on_new_request(request)
     consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(7), FakeBlock(8)],)), 200)
     consumer.build_meta(meta_output())
@@ -130,7 +138,7 @@ def test_consumer_reports_what_the_engine_computed_and_received() -> None:
 
 def test_a_failed_pull_is_reported_with_its_error() -> None:
     consumer = ConsumerScheduler(block_size=128)
-    request = FakeRequest("d-4", 50, handoff([1]))
+    request = FakeRequest("d-4", 50, handoff([1], 50))
     consumer.on_new_request(request)
     consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(3)],)), 50)
     report = TransferReport({"d-4": {"ok": False, "error": "peer closed", "blocks": 1}})
@@ -143,7 +151,7 @@ def test_a_failed_pull_is_reported_with_its_error() -> None:
 
 def test_a_hand_off_with_too_few_blocks_fails_only_that_request() -> None:
     consumer = ConsumerScheduler(block_size=128)
-    request = FakeRequest("d-5", 300, handoff([1]))
+    request = FakeRequest("d-5", 300, handoff([1], 300))
     consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(4), FakeBlock(5)],)), 300)
     (job,) = consumer.build_meta(meta_output()).pull
     assert "prefill offers 1" in job.error

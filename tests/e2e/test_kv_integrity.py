@@ -1,0 +1,111 @@
+"""KV integrity and internal authentication on the real cluster (``pdserve up``: real vLLM
+prefill and decode workers that share the secret ``pdserve up`` wrote into its log directory).
+
+The test talks to the workers directly, as the gateway does, to send what a buggy or hostile
+caller would: the hand-off of one prompt with another prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+
+from decode_service.client import DecodeClient
+from kv_transfer import seal
+from kv_transfer.auth import AuthenticationFailed, load_secret
+from kv_transfer.client import release
+from pdserve.grpc_client import RpcCallError
+from prefill_service.client import PrefillClient
+from protos.v1 import common_pb2, worker_pb2
+from tests.e2e.conftest import RealCluster
+
+PROMPT_TOKENS = 300  # two full blocks and a partial one
+
+
+def worker_flag(cluster: RealCluster, worker: str, flag: str) -> int:
+    """A port from the worker's command line, as ``pdserve up`` logged it."""
+    header = (cluster.log_dir / f"{worker}.log").read_text().splitlines()[0]
+    match = re.search(rf"{flag} (\d+)", header)
+    assert match, header
+    return int(match.group(1))
+
+
+def fresh_prompt() -> list[int]:
+    """Token ids no earlier request used, so no prefix cache holds them."""
+    rng = random.Random(uuid.uuid4().int)
+    return [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
+
+
+async def decode_all(
+    client: DecodeClient,
+    request_id: str,
+    prompt: list[int],
+    handoff: worker_pb2.KvTransferParams | None,
+) -> tuple[list[int], worker_pb2.DecodeChunk]:
+    params = common_pb2.SamplingParams(max_tokens=12, temperature=0.0)
+    tokens: list[int] = []
+    last = None
+    async for chunk in client.decode(request_id, prompt, params, handoff, timeout=300):
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    assert last is not None and last.finish_reason
+    return tokens, last
+
+
+async def test_a_hand_off_for_another_prompt_is_refused_and_nothing_is_cached(
+    cluster: RealCluster,
+) -> None:
+    secret = load_secret(cluster.log_dir / "secret")
+    prefill = f"127.0.0.1:{worker_flag(cluster, 'prefill-0', '--port')}"
+    decode = f"127.0.0.1:{worker_flag(cluster, 'decode-0', '--port')}"
+    prompt_a, prompt_b = fresh_prompt(), fresh_prompt()
+    params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0)
+    async with (
+        PrefillClient(prefill, secret=secret, default_timeout_s=300) as p,
+        DecodeClient(decode, secret=secret) as d,
+    ):
+        handoff_a = (await p.prefill(f"a-{uuid.uuid4()}", prompt_a, params)).kv_transfer_params
+        # A's blocks with B's prompt (same block count): refused before the engine.
+        with pytest.raises(RpcCallError) as info:
+            await decode_all(d, f"b-{uuid.uuid4()}", prompt_b, handoff_a)
+        assert info.value.code == "INVALID_ARGUMENT", info.value
+        assert "another prompt" in info.value.details
+        # Re-pointing A's hand-off at B without the secret breaks its seal: refused too.
+        forged = worker_pb2.KvTransferParams()
+        forged.CopyFrom(handoff_a)
+        extra = json.loads(forged.extra_json)
+        extra[seal.DIGEST] = seal.prompt_digest(prompt_b)
+        forged.extra_json = json.dumps(extra)
+        with pytest.raises(RpcCallError) as info:
+            await decode_all(d, f"b-{uuid.uuid4()}", prompt_b, forged)
+        assert info.value.code == "INVALID_ARGUMENT" and "not signed" in info.value.details
+        # Nothing of A was cached under B's hashes: B computed locally finds no cached token.
+        reference, final = await decode_all(d, f"b-{uuid.uuid4()}", prompt_b, None)
+        assert final.usage.cached_tokens == 0, final.usage
+        # B's own hand-off is accepted and gives the same greedy output.
+        handoff_b = (await p.prefill(f"b-{uuid.uuid4()}", prompt_b, params)).kv_transfer_params
+        tokens, final = await decode_all(d, f"b-{uuid.uuid4()}", prompt_b, handoff_b)
+        assert tokens == reference
+        assert final.transfer.kv_tokens_received + final.transfer.local_cached_tokens == (
+            PROMPT_TOKENS
+        )
+
+
+async def test_workers_refuse_calls_and_kv_connections_without_the_secret(
+    cluster: RealCluster, tmp_path: Path
+) -> None:
+    decode = f"127.0.0.1:{worker_flag(cluster, 'decode-0', '--port')}"
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_text("w" * 64)
+    for secret in (None, load_secret(wrong_file)):
+        async with DecodeClient(decode, secret=secret) as client:
+            with pytest.raises(RpcCallError) as info:
+                await client.capabilities()
+            assert info.value.code == "UNAUTHENTICATED"
+        with pytest.raises(AuthenticationFailed):
+            release("127.0.0.1", worker_flag(cluster, "prefill-0", "--kv-port"), "x", secret=secret)
