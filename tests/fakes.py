@@ -63,9 +63,15 @@ class Recorder(Generic[R]):
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, *, cached_tokens: int = 3, max_model_len: int = 2048) -> None:
+    """``serve_s`` > 0: prefills take that long each, one at a time (an engine's queue)."""
+
+    def __init__(
+        self, *, cached_tokens: int = 3, max_model_len: int = 2048, serve_s: float = 0.0
+    ) -> None:
         self.seen: Recorder[worker_pb2.PrefillRequest] = Recorder()
         self.cached_tokens = cached_tokens
+        self.serve_s = serve_s
+        self.queue = asyncio.Lock()
         self.fail_with: grpc.StatusCode | None = None
         self.caps = capabilities(worker_pb2.ROLE_PREFILL, max_model_len, dict(KV_COMPAT))
         self.responses: list[worker_pb2.PrefillResponse] = []
@@ -74,6 +80,9 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.seen.record(request, context)
         if self.fail_with is not None:
             await context.abort(self.fail_with, "scripted prefill failure")
+        if self.serve_s:
+            async with self.queue:
+                await asyncio.sleep(self.serve_s)
         n = len(request.prompt_token_ids)
         cached = min(self.cached_tokens, n - 1)
         params = worker_pb2.KvTransferParams(
