@@ -12,13 +12,14 @@ connector checks it again, so nothing foreign is ever pulled into, or cached by,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kv_transfer import seal
-from kv_transfer.client import release
+from kv_transfer.client import release, renew
 from kv_transfer.errors import KVTransferError, PromptMismatch
 from pdserve.worker.errors import InvalidRequest, KVTransferFailed
 from pdserve.worker.sampling import to_vllm
@@ -74,6 +75,15 @@ def _ranked(tokens: Any, per_token: Any) -> Logprobs:
     return out
 
 
+@contextlib.contextmanager
+def _cancelling(task: asyncio.Task[None] | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+
+
 class DecodeService(WorkerService):
     async def decode(
         self,
@@ -105,8 +115,14 @@ class DecodeService(WorkerService):
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         generated = 0
         first = True
-        with self.counted():
+        # While the engine has the request queued, the prefill worker's lease on its blocks
+        # is kept alive: a busy decode worker must not turn waiting into a recomputation.
+        keeper = self._keep_lease(handoff) if handoff else None
+        with self.counted(), _cancelling(keeper):
             async for output in self.engine.generate(prompt, sampling, request_id):
+                if keeper is not None:  # the blocks are in (the first output comes after)
+                    keeper.cancel()
+                    keeper = None
                 completion = output.outputs[0]
                 generated += len(completion.token_ids)
                 event = DecodeEvent(
@@ -133,6 +149,27 @@ class DecodeService(WorkerService):
         event.completion_tokens = generated
         event.cached_tokens = int(output.num_cached_tokens or 0)
         event.transfer = stats
+
+    def _keep_lease(self, handoff: dict[str, Any]) -> asyncio.Task[None]:
+        return asyncio.create_task(self._renew_until_cancelled(handoff))
+
+    async def _renew_until_cancelled(self, handoff: dict[str, Any]) -> None:
+        """Renew the hand-off's lease on every TP rank every third of the lease."""
+        host, port = str(handoff["remote_host"]), int(handoff["remote_port"])
+        ranks = max(1, int(handoff.get(seal.TP_SIZE) or 1))
+        request = str(handoff["remote_request_id"])
+        while True:
+            await asyncio.sleep(self.settings.kv_lease_s / 3)
+            for rank in range(ranks):
+                try:
+                    held = await asyncio.to_thread(
+                        renew, host, port + rank, request, secret=self.secret
+                    )
+                except (OSError, KVTransferError) as exc:
+                    log.warning("could not renew the lease of %s: %s", request, exc)
+                    continue
+                if not held:
+                    return  # pulled, released or expired meanwhile: nothing left to keep
 
     def _check_handoff(self, handoff: dict[str, Any], token_ids: list[int]) -> None:
         try:

@@ -6,6 +6,7 @@ secret file, as the workers of one deployment do, and talks to them over loopbac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
@@ -162,6 +163,29 @@ def test_a_consumer_with_another_secret_cannot_pull(agents: Agents, tmp_path: Pa
         stranger.close()
     agents.pull("r", [1], [2])
     assert next_message(agents.consumer)["ok"]
+
+
+@pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)
+async def test_a_decode_worker_keeps_a_queued_handoff_alive_until_it_stops(
+    agents: Agents, secret_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode service renews the hand-off's lease while its engine has the request queued
+    (here: three leases long), and stops when told to: the lease then runs out."""
+    from decode_service.config import DecodeSettings
+    from decode_service.service import DecodeService
+
+    monkeypatch.setenv("PDSERVE_SECRET_FILE", str(secret_file))
+    settings = DecodeSettings.model_validate({"kv_lease_s": 1.0})
+    service = DecodeService(None, settings, None)
+    agents.serve("queued", [2])
+    handoff = {"remote_host": "127.0.0.1", "remote_port": agents.producer.port,
+               "remote_request_id": "queued"}  # fmt: skip
+    keeper = service._keep_lease(handoff)
+    await asyncio.sleep(3.0)
+    assert agents.producer.channel.poll() == []  # no "finished": still pinned
+    keeper.cancel()
+    message = await asyncio.to_thread(next_message, agents.producer)
+    assert message == {"op": "finished", "req": "queued", "reason": "lease"}
 
 
 @pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)
