@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_transfer import compat
+from kv_transfer.announce import Announcer
 from kv_transfer.auth import load_secret
 from kv_transfer.metadata import StepMetadata
 from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
@@ -67,7 +68,12 @@ class PdserveConnector(KVConnectorBase_V1):
                 host = str(extra.get("kv_host") or "127.0.0.1")
                 endpoint = Endpoint(str(transfer.engine_id), host, port)
                 tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-                self.producer = ProducerScheduler(endpoint, secret, tp_size)
+                # The agents run on this host: reach them where they bind.
+                bind = str(extra.get("kv_bind_host") or "0.0.0.0")
+                local = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+                ports = [port + rank for rank in range(tp_size)]
+                announcer = Announcer(local, ports, secret)
+                self.producer = ProducerScheduler(endpoint, secret, tp_size, announcer)
             else:
                 self.consumer = ConsumerScheduler(vllm_config.cache_config.block_size, secret)
             return
@@ -126,6 +132,8 @@ class PdserveConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.producer is not None and self.producer.announcer is not None:
+            self.producer.announcer.close()
 
     # ------------------------------------------------------------- scheduler hooks
     def get_num_new_matched_tokens(

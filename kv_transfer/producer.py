@@ -20,7 +20,7 @@ import logging
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,8 @@ log = logging.getLogger("kv_transfer.producer")
 # A release that arrives before its job is remembered this long, and at most this many.
 EARLY_RELEASE_TTL_S = 120.0
 MAX_EARLY_RELEASES = 4096
+# Ended jobs remembered so that the second announcement of a job is ignored (see _register).
+MAX_RECENTLY_ENDED = 4096
 # An unauthenticated peer gets this long to complete the handshake.
 HANDSHAKE_TIMEOUT_S = 5.0
 # Bytes of one block id in a JSON list, at most ("4294967295,").
@@ -71,6 +73,7 @@ class Producer:
         self.secret = secret
         self.jobs: dict[str, Job] = {}
         self.early_releases: dict[str, float] = {}
+        self.recently_ended: OrderedDict[str, None] = OrderedDict()
         self.cond = threading.Condition()
         self.closed = False
         # A pull names at most every block once more than the cache has (duplicates refused).
@@ -87,9 +90,18 @@ class Producer:
         if message.get("op") != "serve":
             log.warning("unknown control message %r", message.get("op"))
             return
+        self._register(message)
+
+    def _register(self, message: dict[str, Any]) -> None:
+        """A finished prefill's blocks, pinned from now on. Every job is announced twice: at
+        once by the engine's scheduler over the KV port (``announce``) and one engine step
+        later by the worker process; whichever comes first registers it, the other is a
+        no-op (also after the job ended: ``recently_ended``)."""
         req, blocks = str(message["req"]), [int(b) for b in message["blocks"]]
         digest = str(message.get("digest") or "")
         with self.cond:
+            if req in self.jobs or req in self.recently_ended:
+                return
             if self.early_releases.pop(req, None) is not None:
                 self._finish(req, "released")
                 return
@@ -103,6 +115,9 @@ class Producer:
     def _finish(self, req: str, reason: str, **stats: Any) -> None:
         """Report the job's end; caller holds ``cond`` (reporting never blocks)."""
         self.jobs.pop(req, None)
+        self.recently_ended[req] = None
+        while len(self.recently_ended) > MAX_RECENTLY_ENDED:
+            self.recently_ended.popitem(last=False)
         self.reporter.send({"op": "finished", "req": req, "reason": reason, **stats})
 
     def _lease_loop(self) -> None:
@@ -183,6 +198,9 @@ class Producer:
             send_frame(conn, {"ok": True, "found": self._release(str(request["req"]))})
         elif op == "renew":
             send_frame(conn, {"ok": True, "found": self._renew(str(request["req"]))})
+        elif op == "serve":  # from this worker's own engine scheduler; no answer
+            self.config.layout.check_blocks([int(b) for b in request["blocks"]])
+            self._register(request)
         else:
             send_frame(conn, {"ok": False, "error": f"unknown operation {op!r}"})
 

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from kv_transfer import seal
+from kv_transfer.announce import Announcer
 from kv_transfer.errors import PromptMismatch
 from kv_transfer.metadata import PullJob, ReleaseJob, StepMetadata, TransferReport
 
@@ -33,8 +34,15 @@ class Endpoint:
 
 
 class ProducerScheduler:
-    def __init__(self, endpoint: Endpoint, secret: bytes | None = None, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        secret: bytes | None = None,
+        tp_size: int = 1,
+        announcer: Announcer | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.announcer = announcer
         self.secret = secret
         self.tp_size = tp_size
         self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
@@ -50,6 +58,8 @@ class ProducerScheduler:
         digest = seal.prompt_digest(request.prompt_token_ids)
         self.to_serve[request.request_id] = list(block_ids)
         self.digests[request.request_id] = digest
+        if self.announcer is not None:  # registered now, not one engine step later
+            self.announcer.announce(request.request_id, list(block_ids), digest)
         handoff = {
             "do_remote_prefill": True,
             "do_remote_decode": False,

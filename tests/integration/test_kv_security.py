@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kv_transfer import bench
+from kv_transfer.announce import Announcer
 from kv_transfer.auth import AuthenticationFailed, connect, load_secret, new_secret
 from kv_transfer.client import release, renew
 from kv_transfer.handle import AgentHandle
@@ -163,6 +164,26 @@ def test_a_consumer_with_another_secret_cannot_pull(agents: Agents, tmp_path: Pa
         stranger.close()
     agents.pull("r", [1], [2])
     assert next_message(agents.consumer)["ok"]
+
+
+@pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)
+def test_the_scheduler_announces_jobs_at_once_and_the_late_step_copy_is_ignored(
+    agents: Agents,
+) -> None:
+    """The engine's scheduler registers a finished prompt over the KV port (no engine step
+    needed); the same job then arriving through the worker process after it was pulled must
+    not pin it again (a second "finished" would confuse the engine)."""
+    announcer = Announcer("127.0.0.1", [agents.producer.port], agents.secret)
+    try:
+        announcer.announce("early", [5, 1], "")
+        agents.pull("early", [5, 1], [2, 6])  # no serve through the worker at all
+        assert next_message(agents.consumer)["ok"]
+        assert next_message(agents.producer)["reason"] == "sent"
+        agents.serve("early", [5, 1])  # the step path's copy, late
+        threading.Event().wait(2.0)  # two leases: it would have expired by now
+        assert agents.producer.channel.poll() == []
+    finally:
+        announcer.close()
 
 
 @pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)

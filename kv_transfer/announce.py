@@ -1,0 +1,75 @@
+"""The prefill engine's scheduler tells its transfer processes about finished prompts at once.
+
+vLLM hands a step's connector metadata to the worker process only with the next engine step,
+and on a busy prefill worker that step is the next prompt's prefill: seconds later. A decode
+worker pulling meanwhile waited for the job, and under load the wait ran out. So the
+scheduler half announces each finished prompt's blocks straight to the agent of every TP rank
+(``kv_port + rank``) over its authenticated KV port, from a thread of its own: the engine's
+loop only puts the message in a queue. The announcement through the next step still follows;
+the agent registers whichever arrives first (``Producer._register``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from typing import Any
+
+from kv_transfer.auth import connect
+from kv_transfer.errors import KVTransferError
+from kv_transfer.wire import send_frame
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 2.0
+
+
+class Announcer:
+    def __init__(self, host: str, ports: list[int], secret: bytes | None) -> None:
+        self.host = host
+        self.ports = ports
+        self.secret = secret
+        self.conns: dict[int, socket.socket] = {}
+        self.queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="kv-announce", daemon=True)
+        self.thread.start()
+
+    def announce(self, req: str, blocks: list[int], digest: str) -> None:
+        """Never blocks: the message is sent by the announcer's thread."""
+        self.queue.put({"op": "serve", "req": req, "blocks": blocks, "digest": digest})
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while (message := self.queue.get()) is not None:
+            for port in self.ports:
+                self._send(port, message)
+        for conn in self.conns.values():
+            conn.close()
+
+    def _send(self, port: int, message: dict[str, Any]) -> None:
+        """One try on the kept connection, one on a new one; else the step path registers
+        the job (later, but it does)."""
+        for attempt in range(2):
+            conn = self.conns.get(port)
+            try:
+                if conn is None:
+                    conn = connect(self.host, port, self.secret, CONNECT_TIMEOUT_S)
+                    self.conns[port] = conn
+                send_frame(conn, message)
+                return
+            except (OSError, KVTransferError) as exc:
+                self.conns.pop(port, None)
+                if conn is not None:
+                    conn.close()
+                if attempt:
+                    log.warning(
+                        "could not announce %s to the KV agent on port %d (%s); it is "
+                        "registered with the next engine step instead",
+                        message["req"],
+                        port,
+                        exc,
+                    )
