@@ -24,8 +24,13 @@ class RegistryDiscovery:
         self._task: asyncio.Task[None] | None = None
         self._down = False
 
-    async def start(self) -> None:
-        await self.sync()
+    async def start(self, first_pass_s: float) -> None:
+        """First sync, bounded by ``first_pass_s`` (a slow registry or worker must not keep
+        the gateway from starting: the loop catches up), then the discovery loop."""
+        try:
+            await asyncio.wait_for(self.sync(), first_pass_s)
+        except TimeoutError:
+            log.warning("first worker discovery did not finish in %.1f s; continuing", first_pass_s)
         self._task = asyncio.create_task(self._loop(), name="gateway-discovery")
 
     async def close(self) -> None:

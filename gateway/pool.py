@@ -90,6 +90,10 @@ class WorkerPool:
         self._incompatible: dict[tuple[str, str], list[str]] = {}
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
+        # Workers that left the registry: their channels close after a request's time, or
+        # at ``close`` at the latest (an open channel outlives its event loop otherwise).
+        self._dropped: dict[PrefillWorker | DecodeWorker, asyncio.TimerHandle] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every refresh and every ``mark_failed``."""
@@ -100,8 +104,12 @@ class WorkerPool:
             listener()
 
     async def start(self) -> None:
-        """First refresh (never raises: unreachable workers are just unhealthy), then loop."""
-        await self.refresh()
+        """First refresh, bounded by ``control_timeout_s`` (never raises: unreachable or slow
+        workers are just unhealthy until a later refresh), then the refresh loop."""
+        try:
+            await asyncio.wait_for(self.refresh(), self.settings.control_timeout_s + 1.0)
+        except TimeoutError:
+            log.warning("first worker health check did not finish in time; continuing")
         self._task = asyncio.create_task(self._refresh_loop(), name="gateway-pool-refresh")
 
     async def close(self) -> None:
@@ -109,7 +117,12 @@ class WorkerPool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        for handle in self._dropped.values():
+            handle.cancel()
+        workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode, *self._dropped]
+        self._dropped.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         for worker in workers:
             await worker.client.close()
 
@@ -214,9 +227,16 @@ class WorkerPool:
             self.prefill.remove(worker)  # type: ignore[arg-type]
         if worker in self.decode:
             self.decode.remove(worker)  # type: ignore[arg-type]
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.settings.request_timeout_s,
-                        lambda: loop.create_task(worker.client.close()))  # fmt: skip
+        self._dropped[worker] = asyncio.get_running_loop().call_later(
+            self.settings.request_timeout_s, self._close_dropped, worker
+        )
+
+    def _close_dropped(self, worker: PrefillWorker | DecodeWorker) -> None:
+        if self._dropped.pop(worker, None) is None:
+            return
+        task = asyncio.get_running_loop().create_task(worker.client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def mark_failed(self, worker: PrefillWorker | DecodeWorker, why: str) -> None:
         """Skip ``worker`` until the next successful capabilities refresh."""
