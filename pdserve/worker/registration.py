@@ -14,7 +14,7 @@ from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
-from pdserve.worker.kv_events import EventSink, events_config, free_loopback_port
+from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,13 @@ class IndexLink:
         self.settings = settings
         self.load = load
         self.store = RedisStore(settings.redis_url)
-        self.ports = (free_loopback_port(), free_loopback_port())
+        self.endpoints = EventEndpoints.private()
         self.epoch = uuid.uuid4().hex
         self.tasks: list[asyncio.Task[None]] = []
         self.record: WorkerRecord | None = None
 
     def kv_events_config(self) -> dict[str, Any]:
-        return events_config(*self.ports)
+        return events_config(self.endpoints)
 
     async def start(self, info: EngineInfo, grpc_port: int) -> None:
         s = self.settings
@@ -76,7 +76,7 @@ class IndexLink:
         # incarnation of this name then leaves the new entries alone.
         with contextlib.suppress(IndexUnavailable):
             await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
-        sink = EventSink(self.store, info.served_model_name, s.name, *self.ports)
+        sink = EventSink(self.store, info.served_model_name, s.name, self.endpoints)
         self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
 
     async def _heartbeat(self) -> None:
@@ -104,3 +104,4 @@ class IndexLink:
                 await self.store.withdraw(self.settings.name)
                 await self.store.clear_worker(self.record.model, self.settings.name)
         await self.store.close()
+        self.endpoints.remove()
