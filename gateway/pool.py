@@ -39,6 +39,7 @@ class Worker(Generic[C]):
     healthy: bool = False
     last_error: str = ""
     discovered: bool = False  # from the Redis registry (else from the static lists)
+    refused: str = ""  # why the gateway will not route to it (its identity differs)
     in_flight: int = 0  # this gateway's requests on the worker now
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
 
@@ -69,6 +70,24 @@ PrefillWorker = Worker[PrefillClient]
 DecodeWorker = Worker[DecodeClient]
 
 
+def identity_mismatch(
+    caps: worker_pb2.Capabilities, model: str, hash_seed: int, redis_prefix: str | None
+) -> str:
+    """Why a worker cannot serve this gateway ("" when it can): its served model, block-hash
+    seed or (``redis_prefix`` given: the gateway uses Redis) Redis key prefix differ. With a
+    different seed or prefix its cached prefixes could never be found, silently."""
+    if model and caps.served_model_name != model:
+        return f"serves model {caps.served_model_name!r}, the gateway serves {model!r}"
+    if not caps.HasField("index_keys"):
+        return "reports no hash seed or Redis key prefix (a pdserve older than the gateway?)"
+    keys = caps.index_keys
+    if keys.hash_seed != hash_seed:
+        return f"hash seed {keys.hash_seed} differs from the gateway's {hash_seed}"
+    if redis_prefix is not None and keys.redis_prefix != redis_prefix:
+        return f"Redis key prefix {keys.redis_prefix!r} differs from the gateway's {redis_prefix!r}"
+    return ""
+
+
 def kv_compat_diff(a: worker_pb2.Capabilities, b: worker_pb2.Capabilities) -> list[str]:
     """Keys whose values differ between the two workers' ``kv_compat`` (missing counts)."""
     keys = set(a.kv_compat) | set(b.kv_compat)
@@ -88,6 +107,7 @@ class WorkerPool:
             for a in settings.decode_workers
         ]
         self._incompatible: dict[tuple[str, str], list[str]] = {}
+        self.model_name = ""  # the served model workers must report (set by the gateway)
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
         # Workers that left the registry: their channels close after a request's time, or
@@ -155,6 +175,20 @@ class WorkerPool:
                 worker, False, f"reports role {actual}, configured as a {worker.role_name} worker"
             )
             return
+        mismatch = identity_mismatch(
+            caps,
+            self.model_name,
+            self.settings.hash_seed,
+            self.settings.redis_prefix if self.settings.redis_url else None,
+        )
+        if mismatch:
+            if mismatch != worker.refused:
+                log.error("refusing to route to %s worker %s: it %s",
+                          worker.role_name, worker.address, mismatch)  # fmt: skip
+            worker.refused = worker.last_error = mismatch
+            worker.healthy = False
+            return
+        worker.refused = ""
         worker.capabilities = caps
         self._set_health(worker, True, "")
 
@@ -267,6 +301,11 @@ class WorkerPool:
 
     def compatible(self, prefill: PrefillWorker, decode: DecodeWorker) -> bool:
         return (prefill.address, decode.address) not in self._incompatible
+
+    def refused(self) -> list[PrefillWorker | DecodeWorker]:
+        """Workers reachable but not routed to, because their identity differs."""
+        everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        return [w for w in everyone if w.refused]
 
     def healthy_prefill(self) -> list[PrefillWorker]:
         return [w for w in self.prefill if w.healthy]

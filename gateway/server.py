@@ -91,6 +91,7 @@ class GatewayServer:
 
     def _build_service(self) -> GenerationService:
         model_dir = self.settings.model_dir()
+        self.pool.model_name = self.settings.model_name(model_dir)
         if self._tokenizer is None:
             from gateway.tokenizer import HfTokenizer
 

@@ -56,7 +56,7 @@ class IndexLink:
     def __init__(self, settings: WorkerSettings, load: Load) -> None:
         self.settings = settings
         self.load = load
-        self.store = RedisStore(settings.redis_url)
+        self.store = RedisStore(settings.redis_url, prefix=settings.redis_prefix)
         self.endpoints = EventEndpoints.private()
         self.epoch = uuid.uuid4().hex
         self.tasks: list[asyncio.Task[None]] = []
