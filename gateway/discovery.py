@@ -6,12 +6,12 @@ unreachable the pool keeps the workers it knows (and their health checks go on).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from gateway.pool import WorkerPool
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
 from pdserve.kvindex.redis_store import RedisStore
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,7 @@ class RegistryDiscovery:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # one cancel may be swallowed (pdserve.tasks)
 
     async def sync(self) -> None:
         try:

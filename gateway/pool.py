@@ -10,7 +10,6 @@ once as an error naming the differing keys.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
 from pdserve.grpc_client import RpcCallError
 from pdserve.kvindex.interfaces import WorkerRecord
+from pdserve.tasks import cancel_and_wait
 from prefill_service.client import PrefillClient
 from protos.v1 import worker_pb2
 
@@ -134,9 +134,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         for handle in self._dropped.values():
             handle.cancel()
         workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode, *self._dropped]

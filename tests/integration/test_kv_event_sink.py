@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.redis_server import RedisServer
+from pdserve.tasks import cancel_and_wait
 from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
 
 M, W = "model", "prefill-0"
@@ -67,9 +68,7 @@ async def running(sink: EventSink) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)  # the sink talks to Redis (see pdserve.tasks)
 
 
 async def until(predicate: Any, timeout_s: float = 10.0) -> None:
