@@ -6,12 +6,12 @@ unreachable the pool keeps the workers it knows (and their health checks go on).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from gateway.pool import WorkerPool
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
 from pdserve.kvindex.redis_store import RedisStore
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +24,18 @@ class RegistryDiscovery:
         self._task: asyncio.Task[None] | None = None
         self._down = False
 
-    async def start(self) -> None:
-        await self.sync()
+    async def start(self, first_pass_s: float) -> None:
+        """First sync, bounded by ``first_pass_s`` (a slow registry or worker must not keep
+        the gateway from starting: the loop catches up), then the discovery loop."""
+        try:
+            await asyncio.wait_for(self.sync(), first_pass_s)
+        except TimeoutError:
+            log.warning("first worker discovery did not finish in %.1f s; continuing", first_pass_s)
         self._task = asyncio.create_task(self._loop(), name="gateway-discovery")
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # one cancel may be swallowed (pdserve.tasks)
 
     async def sync(self) -> None:
         try:

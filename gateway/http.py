@@ -128,6 +128,11 @@ def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
             "status": "ok" if healthy else "unavailable",
             "healthy_decode_workers": healthy,
             "healthy_prefill_workers": len(service.pool.healthy_prefill()),
+            # Workers the gateway will not use: their model, hash seed or key prefix differ.
+            "refused_workers": [
+                {"address": w.address, "role": w.role_name, "reason": w.refused}
+                for w in service.pool.refused()
+            ],
         }
         return JSONResponse(body, 200 if healthy else 503)
 

@@ -10,7 +10,6 @@ once as an error naming the differing keys.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from gateway.config import GatewaySettings
 from gateway.prefill_pace import PrefillPace
 from pdserve.grpc_client import RpcCallError
 from pdserve.kvindex.interfaces import WorkerRecord
+from pdserve.tasks import cancel_and_wait
 from prefill_service.client import PrefillClient
 from protos.v1 import worker_pb2
 
@@ -40,6 +40,7 @@ class Worker(Generic[C]):
     healthy: bool = False
     last_error: str = ""
     discovered: bool = False  # from the Redis registry (else from the static lists)
+    refused: str = ""  # why the gateway will not route to it (its identity differs)
     in_flight: int = 0  # this gateway's requests on the worker now
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
     pace: PrefillPace = field(default_factory=PrefillPace)  # prefill workers: queue and rate
@@ -71,6 +72,24 @@ PrefillWorker = Worker[PrefillClient]
 DecodeWorker = Worker[DecodeClient]
 
 
+def identity_mismatch(
+    caps: worker_pb2.Capabilities, model: str, hash_seed: int, redis_prefix: str | None
+) -> str:
+    """Why a worker cannot serve this gateway ("" when it can): its served model, block-hash
+    seed or (``redis_prefix`` given: the gateway uses Redis) Redis key prefix differ. With a
+    different seed or prefix its cached prefixes could never be found, silently."""
+    if model and caps.served_model_name != model:
+        return f"serves model {caps.served_model_name!r}, the gateway serves {model!r}"
+    if not caps.HasField("index_keys"):
+        return "reports no hash seed or Redis key prefix (a pdserve older than the gateway?)"
+    keys = caps.index_keys
+    if keys.hash_seed != hash_seed:
+        return f"hash seed {keys.hash_seed} differs from the gateway's {hash_seed}"
+    if redis_prefix is not None and keys.redis_prefix != redis_prefix:
+        return f"Redis key prefix {keys.redis_prefix!r} differs from the gateway's {redis_prefix!r}"
+    return ""
+
+
 def kv_compat_diff(a: worker_pb2.Capabilities, b: worker_pb2.Capabilities) -> list[str]:
     """Keys whose values differ between the two workers' ``kv_compat`` (missing counts)."""
     keys = set(a.kv_compat) | set(b.kv_compat)
@@ -90,8 +109,13 @@ class WorkerPool:
             for a in settings.decode_workers
         ]
         self._incompatible: dict[tuple[str, str], list[str]] = {}
+        self.model_name = ""  # the served model workers must report (set by the gateway)
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
+        # Workers that left the registry: their channels close after a request's time, or
+        # at ``close`` at the latest (an open channel outlives its event loop otherwise).
+        self._dropped: dict[PrefillWorker | DecodeWorker, asyncio.TimerHandle] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every refresh and every ``mark_failed``."""
@@ -102,16 +126,23 @@ class WorkerPool:
             listener()
 
     async def start(self) -> None:
-        """First refresh (never raises: unreachable workers are just unhealthy), then loop."""
-        await self.refresh()
+        """First refresh, bounded by ``control_timeout_s`` (never raises: unreachable or slow
+        workers are just unhealthy until a later refresh), then the refresh loop."""
+        try:
+            await asyncio.wait_for(self.refresh(), self.settings.control_timeout_s + 1.0)
+        except TimeoutError:
+            log.warning("first worker health check did not finish in time; continuing")
         self._task = asyncio.create_task(self._refresh_loop(), name="gateway-pool-refresh")
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+            await cancel_and_wait(self._task)
+        for handle in self._dropped.values():
+            handle.cancel()
+        workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode, *self._dropped]
+        self._dropped.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         for worker in workers:
             await worker.client.close()
 
@@ -144,6 +175,20 @@ class WorkerPool:
                 worker, False, f"reports role {actual}, configured as a {worker.role_name} worker"
             )
             return
+        mismatch = identity_mismatch(
+            caps,
+            self.model_name,
+            self.settings.hash_seed,
+            self.settings.redis_prefix if self.settings.redis_url else None,
+        )
+        if mismatch:
+            if mismatch != worker.refused:
+                log.error("refusing to route to %s worker %s: it %s",
+                          worker.role_name, worker.address, mismatch)  # fmt: skip
+            worker.refused = worker.last_error = mismatch
+            worker.healthy = False
+            return
+        worker.refused = ""
         worker.capabilities = caps
         self._set_health(worker, True, "")
 
@@ -216,9 +261,16 @@ class WorkerPool:
             self.prefill.remove(worker)  # type: ignore[arg-type]
         if worker in self.decode:
             self.decode.remove(worker)  # type: ignore[arg-type]
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.settings.request_timeout_s,
-                        lambda: loop.create_task(worker.client.close()))  # fmt: skip
+        self._dropped[worker] = asyncio.get_running_loop().call_later(
+            self.settings.request_timeout_s, self._close_dropped, worker
+        )
+
+    def _close_dropped(self, worker: PrefillWorker | DecodeWorker) -> None:
+        if self._dropped.pop(worker, None) is None:
+            return
+        task = asyncio.get_running_loop().create_task(worker.client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def mark_failed(self, worker: PrefillWorker | DecodeWorker, why: str) -> None:
         """Skip ``worker`` until the next successful capabilities refresh."""
@@ -249,6 +301,11 @@ class WorkerPool:
 
     def compatible(self, prefill: PrefillWorker, decode: DecodeWorker) -> bool:
         return (prefill.address, decode.address) not in self._incompatible
+
+    def refused(self) -> list[PrefillWorker | DecodeWorker]:
+        """Workers reachable but not routed to, because their identity differs."""
+        everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        return [w for w in everyone if w.refused]
 
     def healthy_prefill(self) -> list[PrefillWorker]:
         return [w for w in self.prefill if w.healthy]

@@ -34,6 +34,7 @@ from protos.v1 import generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 _HTTP_GRACE_S = 10.0
+_REDIS_TIMEOUT_S = 2.0  # RedisStore's per-call timeout (its default)
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -78,14 +79,19 @@ class GatewayServer:
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._grpc: GrpcServer | None = None
+        self._health_tasks: set[asyncio.Future[None]] = set()
+        self._stopping = False
         self.store: RedisStore | None = None
         self.discovery: RegistryDiscovery | None = None
         if settings.redis_url:
-            self.store = RedisStore(settings.redis_url, prefix=settings.redis_prefix)
+            self.store = RedisStore(
+                settings.redis_url, prefix=settings.redis_prefix, timeout_s=_REDIS_TIMEOUT_S
+            )
             self.discovery = RegistryDiscovery(self.pool, self.store, settings.discovery_interval_s)
 
     def _build_service(self) -> GenerationService:
         model_dir = self.settings.model_dir()
+        self.pool.model_name = self.settings.model_name(model_dir)
         if self._tokenizer is None:
             from gateway.tokenizer import HfTokenizer
 
@@ -103,10 +109,9 @@ class GatewayServer:
         )
 
     async def start(self) -> None:
+        """Bind HTTP and gRPC first (port 0 works; clients get 503 until a decode worker is
+        healthy), then the first worker health check and discovery, each bounded."""
         service = self.service = self._build_service()
-        await self.pool.start()
-        if self.discovery is not None:
-            await self.discovery.start()
         await self._start_http(service)
         servicer = GenerationServicer(service, self.api_keys)
         self._grpc = GrpcServer(
@@ -118,6 +123,10 @@ class GatewayServer:
         self.grpc_port = await self._grpc.start()
         self.pool.add_listener(self._update_health)
         self._update_health()
+        await self.pool.start()
+        if self.discovery is not None:
+            # The registry's calls and the new workers' health checks, one after the other.
+            await self.discovery.start(_REDIS_TIMEOUT_S * 2 + self.settings.control_timeout_s + 1.0)
         log.info(
             "gateway serving model %s: HTTP on %s:%d, gRPC on %s:%d",
             service.model_name,
@@ -146,7 +155,7 @@ class GatewayServer:
             await asyncio.sleep(0.01)
 
     def _update_health(self) -> None:
-        if self._grpc is None or self.service is None:
+        if self._grpc is None or self.service is None or self._stopping:
             return
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -154,6 +163,8 @@ class GatewayServer:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         task = asyncio.ensure_future(self._grpc.health.set(SERVICE_NAME, status))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
         task.add_done_callback(_retrieve)
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -161,6 +172,9 @@ class GatewayServer:
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task
+        self._stopping = True  # no new health updates; the pending ones finish first
+        if self._health_tasks:
+            await asyncio.gather(*self._health_tasks, return_exceptions=True)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         if self.service is not None:

@@ -45,10 +45,19 @@ _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def edge_request_id(candidate: str | None) -> str:
-    """The request id of a new request: the client's ``x-request-id`` when it is a sane token
-    (letters, digits, ``._:-``, at most 128), else a fresh random one."""
+    """The id the client sees and the logs name: the client's ``x-request-id`` when it is a
+    sane token (letters, digits, ``._:-``, at most 128), else a fresh random one.
+
+    It is never sent to a worker: two clients may pick the same id (by accident or on
+    purpose), so the workers and engines get ``internal_request_id()`` instead."""
     if candidate and _REQUEST_ID_OK.fullmatch(candidate):
         return candidate
+    return uuid.uuid4().hex
+
+
+def internal_request_id() -> str:
+    """The gateway's own id for one attempt at one choice: what the workers, their engines
+    and ``Abort`` see. Random, so no client can name (abort, unpin) another's request."""
     return uuid.uuid4().hex
 
 
@@ -66,7 +75,7 @@ class Prompt:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    request_id: str
+    request_id: str  # the edge id (echoed to the client, logged); never sent to workers
     prompt: Prompt
     params: common_pb2.SamplingParams
     model: str = ""  # empty: the served model
@@ -133,8 +142,10 @@ class GenerationService:
             self.metrics.requests.labels(request.endpoint, "none", outcome_for(err)).inc()
             raise
         self.active += 1
+        internal_id = internal_request_id()
+        log.debug("request %s: internal id %s", request.request_id, internal_id)
         generation = Generation(
-            request_id=request.request_id,
+            request_id=internal_id,
             endpoint=request.endpoint,
             token_ids=token_ids,
             params=params,

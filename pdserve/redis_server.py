@@ -1,6 +1,12 @@
 """A private ``redis-server`` on a free loopback port, for ``pdserve up`` and the tests.
 
 It keeps no data on disk (no RDB/AOF) and lives exactly as long as its owner.
+
+redis-server cannot bind port 0 and report the port, so a free port is chosen and then bound
+by the server a moment later; another process may take it in between. A server that was
+asked for any port therefore retries with a fresh one when its own process did not come up,
+and "up" means *this* process answers (``INFO server``'s ``process_id``), never merely that
+something on the port says PONG.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import time
 from pathlib import Path
 
 START_TIMEOUT_S = 10.0
+START_ATTEMPTS = 5  # fresh ports tried when the port was ours to choose
 
 
 class RedisServerError(RuntimeError):
@@ -24,18 +31,27 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _answers_ping(port: int) -> bool:
+def _server_pid(port: int) -> int | None:
+    """The process id of the Redis answering on ``port`` (None: none answers)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
+            conn.sendall(b"INFO server\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return None
+                reply += chunk
     except OSError:
-        return False
+        return None
+    line = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
+    return int(line) if line.strip().isdigit() else None
 
 
 class RedisServer:
     def __init__(self, port: int = 0, log_file: Path | None = None) -> None:
         self.port = port or _free_port()
+        self._any_port = port == 0  # until it first starts: then clients know the port
         self.log_file = log_file
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -44,24 +60,37 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Start (again, after ``stop``, on the same port); raises ``RedisServerError``."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RedisServerError(
                 "redis-server is not installed (Debian: apt-get install redis-server), "
                 "or pass --redis-url to use an existing Redis"
             )
+        for _ in range(START_ATTEMPTS if self._any_port else 1):
+            if self._launch(binary):
+                self._any_port = False
+                return self
+            if self._any_port:
+                self.port = _free_port()  # ours was taken meanwhile: another one
+        raise RedisServerError(f"redis-server did not start on port {self.port}")
+
+    def _launch(self, binary: str) -> bool:
+        """True once this process answers; False (and stopped) if it exited or timed out."""
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--protected-mode", "yes"]  # fmt: skip
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)  # fmt: skip
+        self.process = process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                                  start_new_session=True)  # fmt: skip
+        if self.log_file:
+            out.close()  # type: ignore[union-attr]  # the child has its own copy
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers_ping(self.port):
-            if self.process.poll() is not None or time.monotonic() > deadline:
+        while _server_pid(self.port) != process.pid:
+            if process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RedisServerError(f"redis-server did not start on port {self.port}")
+                return False
             time.sleep(0.05)
-        return self
+        return True
 
     def stop(self) -> None:
         if self.process is None:

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from pdserve.grpc_server import GrpcServer
+from pdserve.settings import default_model_dir
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # (token id, text) of the scripted answer: "Hello, world!"
@@ -28,7 +29,7 @@ def capabilities(
         worker_id=f"fake-{worker_pb2.Role.Name(role).lower()}",
         role=role,  # type: ignore[arg-type]
         model="fake-model",
-        served_model_name="fake-model",
+        served_model_name=default_model_dir().name,  # what the test gateways serve
         block_size=16,
         max_model_len=max_model_len,
         kv_capacity_tokens=100_000,
@@ -37,6 +38,7 @@ def capabilities(
         kv_connector="FakeConnector",
         kv_compat=kv_compat,
         version="test",
+        index_keys=worker_pb2.PrefixIndexKeys(hash_seed=42, redis_prefix="pdserve"),
     )
 
 

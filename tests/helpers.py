@@ -1,4 +1,5 @@
-"""Shared test helpers: free ports, the prepared default model, an in-process gateway cluster."""
+"""Shared test helpers: refused addresses, the prepared default model, an in-process gateway
+cluster."""
 
 from __future__ import annotations
 
@@ -22,15 +23,22 @@ from tests.fakes import FakeDecode, FakePrefill, start_worker
 MODEL_WAIT_S = 900.0
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on (bound then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# Sockets held for the whole test session; see ``dead_port``.
+_HELD: list[socket.socket] = []
+
+
+def dead_port() -> int:
+    """A loopback port where connections are refused, for as long as the tests run: bound
+    here and never listened on, so no other process can take it meanwhile. (Servers in the
+    tests bind port 0 and report their port; nothing chooses a port and binds it later.)"""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return int(sock.getsockname()[1])
 
 
 def dead_address() -> str:
-    return f"127.0.0.1:{free_port()}"
+    return f"127.0.0.1:{dead_port()}"
 
 
 @functools.cache

@@ -27,6 +27,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str = Field(
         "", description="Redis for the worker registry and prefix index (empty: none)"
     )
+    redis_prefix: str = Field(
+        "pdserve", description="key prefix of pdserve in Redis; must equal the gateway's"
+    )
     kv_bind_host: str = Field("", description="KV transfer bind address (default: host)")
     kv_port: int = Field(PREFILL_KV_PORT, description="KV transfer port of a prefill worker")
     kv_lease_s: float = Field(30.0, description="seconds a prefill keeps unpulled blocks pinned")

@@ -7,14 +7,23 @@ missed: a sequence gap is filled from the replay buffer; after the index was unr
 the worker's entries are cleared and rebuilt from the whole buffer once it is back. When
 the stream is quiet the sink asks the buffer for anything newer, so a lost last step is
 found even if no further step follows.
+
+Both sockets are ``ipc://`` paths in a private temporary directory, not loopback TCP ports:
+a port chosen as "free" here would be bound by the engine a minute later, after it loads,
+and anything else on the machine may take it in between. A path in a directory only this
+worker knows cannot be taken.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -30,20 +39,43 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_TIMEOUT_MS = 3000
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# A unix socket path is at most 107 bytes; a longer temporary directory is not used.
+_MAX_DIR_CHARS = 80
 
 
-def events_config(publish_port: int, replay_port: int) -> dict[str, Any]:
-    """vLLM ``--kv-events-config`` on loopback only: the engine publishes to the worker's
-    subscriber on ``publish_port`` and serves replays on ``replay_port``."""
+@dataclass(frozen=True)
+class EventEndpoints:
+    """Where the engine publishes (``publish``, its PUB socket binds) and serves replays
+    (``replay``, its ROUTER socket binds); ``directory`` holds both and is this worker's."""
+
+    directory: Path
+    publish: str
+    replay: str
+
+    @classmethod
+    def private(cls) -> EventEndpoints:
+        """Two ``ipc://`` endpoints in a new directory (mode 0700), removed by ``remove``
+        or, at the latest, when the endpoints are garbage or the process exits."""
+        base = tempfile.gettempdir()
+        if len(base) > _MAX_DIR_CHARS:
+            base = "/tmp"  # the directory made in it is private (0700)
+        directory = Path(tempfile.mkdtemp(prefix="pdserve-kv-", dir=base))
+        endpoints = cls(directory, f"ipc://{directory}/events", f"ipc://{directory}/replay")
+        weakref.finalize(endpoints, shutil.rmtree, directory, True)
+        return endpoints
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def events_config(endpoints: EventEndpoints) -> dict[str, Any]:
+    """vLLM ``--kv-events-config``: the engine binds both endpoints (vLLM binds ``ipc://``
+    ones) and the worker's sink connects to them."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{publish_port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+        "endpoint": endpoints.publish,
+        "replay_endpoint": endpoints.replay,
         "topic": TOPIC.decode(),
     }
 
@@ -70,14 +102,13 @@ def to_ops(events: Iterable[Any]) -> list[BlockOps]:
 
 class EventSink:
     def __init__(
-        self, index: PrefixIndex, model: str, worker: str, publish_port: int, replay_port: int
+        self, index: PrefixIndex, model: str, worker: str, endpoints: EventEndpoints
     ) -> None:
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
         self.index, self.model, self.worker = index, model, worker
-        self.publish = f"tcp://127.0.0.1:{publish_port}"
-        self.replay = f"tcp://127.0.0.1:{replay_port}"
+        self.publish, self.replay = endpoints.publish, endpoints.replay
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.context = zmq.asyncio.Context()
         self.last_seq = -1
@@ -86,9 +117,9 @@ class EventSink:
 
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
-        # vLLM's publisher binds only wildcard endpoints and connects to a concrete one, so
-        # on loopback this side binds; what it publishes before connecting is replayed.
-        sub.bind(self.publish)
+        # The engine binds (it may not have yet: ZMQ connects when it does); what it
+        # publishes before the subscription reaches it is replayed.
+        sub.connect(self.publish)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         try:
             while True:

@@ -12,9 +12,10 @@ from typing import Any
 
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
+from pdserve.tasks import cancel_and_wait
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
-from pdserve.worker.kv_events import EventSink, events_config, free_loopback_port
+from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,14 @@ class IndexLink:
     def __init__(self, settings: WorkerSettings, load: Load) -> None:
         self.settings = settings
         self.load = load
-        self.store = RedisStore(settings.redis_url)
-        self.ports = (free_loopback_port(), free_loopback_port())
+        self.store = RedisStore(settings.redis_url, prefix=settings.redis_prefix)
+        self.endpoints = EventEndpoints.private()
         self.epoch = uuid.uuid4().hex
         self.tasks: list[asyncio.Task[None]] = []
         self.record: WorkerRecord | None = None
 
     def kv_events_config(self) -> dict[str, Any]:
-        return events_config(*self.ports)
+        return events_config(self.endpoints)
 
     async def start(self, info: EngineInfo, grpc_port: int) -> None:
         s = self.settings
@@ -76,7 +77,7 @@ class IndexLink:
         # incarnation of this name then leaves the new entries alone.
         with contextlib.suppress(IndexUnavailable):
             await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
-        sink = EventSink(self.store, info.served_model_name, s.name, *self.ports)
+        sink = EventSink(self.store, info.served_model_name, s.name, self.endpoints)
         self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
 
     async def _heartbeat(self) -> None:
@@ -94,13 +95,11 @@ class IndexLink:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for task in self.tasks:  # talk to Redis: one cancel may be swallowed (pdserve.tasks)
+            await cancel_and_wait(task)
         if self.record is not None:
             with contextlib.suppress(IndexUnavailable):
                 await self.store.withdraw(self.settings.name)
                 await self.store.clear_worker(self.record.model, self.settings.name)
         await self.store.close()
+        self.endpoints.remove()

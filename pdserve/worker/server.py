@@ -93,6 +93,10 @@ class ServicerBase:
                 kv_usage=service.load.kv_usage,
                 in_flight=service.load.in_flight,
             ),
+            index_keys=worker_pb2.PrefixIndexKeys(
+                hash_seed=service.settings.hash_seed,
+                redis_prefix=service.settings.redis_prefix,
+            ),
         )
 
 

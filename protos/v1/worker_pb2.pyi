@@ -110,7 +110,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load")
+    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys")
     class KvCompatEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class Capabilities(_message.Message):
     KV_COMPAT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     model: str
@@ -144,7 +145,16 @@ class Capabilities(_message.Message):
     kv_compat: _containers.ScalarMap[str, str]
     version: str
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    index_keys: PrefixIndexKeys
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ...) -> None: ...
+
+class PrefixIndexKeys(_message.Message):
+    __slots__ = ("hash_seed", "redis_prefix")
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    REDIS_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    hash_seed: int
+    redis_prefix: str
+    def __init__(self, hash_seed: _Optional[int] = ..., redis_prefix: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("running", "waiting", "kv_usage", "in_flight")

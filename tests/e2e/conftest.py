@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,9 +20,12 @@ from typing import Any
 import pytest
 
 from tests.e2e.cases import cases
-from tests.helpers import free_port, model_dir
+from tests.helpers import model_dir
 
 STARTUP_TIMEOUT_S = 600
+START_ATTEMPTS = 3  # fresh ports after a start that lost one of its ports to another process
+# What pdserve up and its children say when a port they were given is taken.
+PORT_TAKEN = re.compile(r"in use|cannot serve gRPC|cannot bind|EADDRINUSE")
 PREFILL_WORKERS = 2  # two prefill workers and one decode worker, as issue 4's routing needs
 
 
@@ -105,6 +109,15 @@ def _all_ready(ports: dict[str, int]) -> bool:
     )
 
 
+def free_port() -> int:
+    """A loopback port free now. ``pdserve up`` takes its ports as arguments, so they are
+    chosen before its children bind them; ``cluster`` starts again on fresh ports when one
+    was taken in between."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def free_port_run(n: int) -> int:
     """The first of ``n`` consecutive free loopback ports."""
     for _ in range(100):
@@ -130,10 +143,30 @@ def cluster(
     """2 prefill + 1 decode worker, a private Redis and the gateway, started by ``pdserve up``.
 
     Conditional disaggregation is off (threshold 0), so every request moves KV blocks."""
+    log_root = tmp_path_factory.mktemp("logs")
+    for attempt in range(START_ATTEMPTS):
+        ports, up, up_log, found = _start_up(log_root / f"attempt-{attempt}")
+        failure = _wait_ready(ports, up, found)
+        if failure is None:
+            break
+        up_log.close()
+        if attempt + 1 == START_ATTEMPTS or not PORT_TAKEN.search(failure):
+            pytest.fail(f"pdserve up did not become ready:\n{failure}")
+    yield found
+    up.send_signal(signal.SIGTERM)
+    code = up.wait(timeout=120)
+    up_log.close()
+    all_ports = {**ports, "prefill-1": ports["prefill"] + 1, "kv-1": ports["kv"] + 1}
+    leftover = [name for name, port in all_ports.items() if _port_open(port)]
+    assert code == 0, f"pdserve up exited {code}"
+    assert not leftover, f"ports still served after shutdown: {leftover}"
+
+
+def _start_up(log_dir: Path) -> tuple[dict[str, int], subprocess.Popen[bytes], Any, RealCluster]:
     ports = {name: free_port() for name in ("http", "grpc", "decode")}
     ports["prefill"] = free_port_run(PREFILL_WORKERS)
     ports["kv"] = free_port_run(PREFILL_WORKERS)
-    log_dir = tmp_path_factory.mktemp("logs")
+    log_dir.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "pdserve", "up", "--prefill", str(PREFILL_WORKERS),
         "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
@@ -150,21 +183,27 @@ def cluster(
     }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
     up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)
-    found = RealCluster(ports["http"], ports["grpc"], log_dir)
+    return ports, up, up_log, RealCluster(ports["http"], ports["grpc"], log_dir)
+
+
+def _wait_ready(
+    ports: dict[str, int], up: subprocess.Popen[bytes], found: RealCluster
+) -> str | None:
+    """None once the cluster is ready; else (up stopped) what its logs say."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _all_ready(ports):
         if up.poll() is not None or time.monotonic() > deadline:
-            up.kill()
-            pytest.fail(f"pdserve up did not become ready:\n{found.logs()}")
+            if up.poll() is None:  # up stops its children on SIGTERM; kill is the last resort
+                up.terminate()
+                try:
+                    up.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    up.kill()
+                    up.wait()
+            out = (found.log_dir / "pdserve-up.out").read_text(errors="replace")
+            return f"{out[-3000:]}\n{found.logs()}"
         time.sleep(1)
-    yield found
-    up.send_signal(signal.SIGTERM)
-    code = up.wait(timeout=120)
-    up_log.close()
-    all_ports = {**ports, "prefill-1": ports["prefill"] + 1, "kv-1": ports["kv"] + 1}
-    leftover = [name for name, port in all_ports.items() if _port_open(port)]
-    assert code == 0, f"pdserve up exited {code}"
-    assert not leftover, f"ports still served after shutdown: {leftover}"
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -39,12 +39,14 @@ async def test_chat_completion_disaggregated() -> None:
         assert req.params.temperature == 0.0 and req.params.seed == 7
         assert list(req.params.stop) == ["\n\n"]
         assert req.params.max_tokens == 2048 - len(expected_ids)
-    # One request id, at the edge: header, worker request ids and metadata agree.
+    # The client's id is echoed; the workers get the gateway's own id (one per attempt),
+    # the same on both workers and in the metadata.
     request_id = response.headers["x-request-id"]
     assert body.id == f"chatcmpl-{request_id}"
-    assert prefill_req.request_id == decode_req.request_id == request_id
-    assert c.prefill.seen.metadata[0]["x-request-id"] == request_id
-    assert c.decode.seen.metadata[0]["x-request-id"] == request_id
+    internal_id = decode_req.request_id
+    assert prefill_req.request_id == internal_id != request_id
+    assert c.prefill.seen.metadata[0]["x-request-id"] == internal_id
+    assert c.decode.seen.metadata[0]["x-request-id"] == internal_id
     # Usage from the decode worker, cached tokens included.
     assert body.usage is not None
     assert body.usage.prompt_tokens == len(expected_ids)
@@ -74,7 +76,7 @@ async def test_completion_with_max_tokens_and_client_request_id() -> None:
     assert body.usage is not None and body.usage.completion_tokens == 2
     assert c.decode is not None
     (decode_req,) = c.decode.seen.requests
-    assert decode_req.request_id == "client-id-42"
+    assert "client-id-42" not in decode_req.request_id  # the client's id stays at the edge
     assert list(decode_req.prompt_token_ids) == tokenizer().encode_text("Once upon a time")
     assert decode_req.params.max_tokens == 2
 

@@ -27,10 +27,11 @@ async def test_n_and_prompt_lists_fan_out_with_derived_request_ids() -> None:
         await client.close()
     assert [ch.index for ch in body.choices] == [0, 1, 2, 3]
     assert all(ch.text == ANSWER for ch in body.choices)
-    assert c.decode is not None
+    assert c.decode is not None and c.prefill is not None
     request_id = response.headers["x-request-id"]
-    ids = sorted(r.request_id for r in c.decode.seen.requests)
-    assert ids == [f"{request_id}-{i}" for i in range(4)]
+    ids = {r.request_id for r in c.decode.seen.requests}
+    assert len(ids) == 4 and not any(request_id in i for i in ids)  # the gateway's own, each
+    assert ids == {r.request_id for r in c.prefill.seen.requests}
     seeds = sorted(r.params.seed for r in c.decode.seen.requests)
     assert seeds == [5, 5, 6, 6]  # choice j of a prompt samples with seed + j
     prompt_tokens = len(tokenizer().encode_text("One")) + len(tokenizer().encode_text("Two words"))
@@ -244,7 +245,8 @@ async def test_disconnect_mid_stream_aborts_every_choice_on_every_worker() -> No
                 lines = response.aiter_lines()
                 for _ in range(6):
                     await anext(lines)
-        expected = sorted(f"{request_id}-{i}" for i in range(3))
+        expected = sorted(r.request_id for r in decode.seen.requests)
+        assert len(set(expected)) == 3 and request_id not in expected
         assert c.prefill is not None
         for _ in range(100):
             if len(decode.seen.aborts) == 3 and len(c.prefill.seen.aborts) == 3:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
+from typing import Any
 
 import httpx
 
 from tests.fakes import FakeDecode, start_worker
-from tests.helpers import free_port, model_dir, served_name
+from tests.helpers import model_dir, served_name
+
+SERVING = re.compile(r"HTTP on \S+:(?P<http>\d+), gRPC on \S+:(?P<grpc>\d+)")
 
 
 async def _wait_healthy(url: str, proc: asyncio.subprocess.Process, timeout_s: float) -> None:
@@ -26,25 +30,38 @@ async def _wait_healthy(url: str, proc: asyncio.subprocess.Process, timeout_s: f
     raise AssertionError("gateway did not become healthy")
 
 
+async def _serving_line(proc: asyncio.subprocess.Process) -> dict[str, Any]:
+    """Read the output up to the gateway's "serving" line; its HTTP and gRPC ports."""
+    assert proc.stdout is not None
+    before = b""
+    while line := await proc.stdout.readline():
+        before += line
+        found = SERVING.search(line.decode(errors="replace"))
+        if found:
+            return {"http": int(found["http"]), "grpc": int(found["grpc"]), "before": before}
+    raise AssertionError(f"the gateway exited before serving:\n{before.decode()}")
+
+
 async def test_gateway_process_serves_and_stops_on_sigterm() -> None:
     decode = FakeDecode()
     server = await start_worker(decode)
-    http_port, grpc_port = free_port(), free_port()
     args = ["--model", model_dir(), "--decode-workers", f"127.0.0.1:{server.port}"]
-    args += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    args += ["--http-port", "0", "--grpc-port", "0"]  # it binds and logs the real ports
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pdserve", "gateway", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{http_port}"
+        head = await asyncio.wait_for(_serving_line(proc), 120)
+        url = f"http://127.0.0.1:{head['http']}"
         await _wait_healthy(url, proc, timeout_s=60)
         async with httpx.AsyncClient(base_url=url) as http:
             body = {"model": served_name(), "prompt": "Hi", "max_tokens": 2}
             response = await http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         proc.send_signal(signal.SIGTERM)
-        output, _ = await asyncio.wait_for(proc.communicate(), 20)
+        rest, _ = await asyncio.wait_for(proc.communicate(), 20)
+        output = head["before"] + rest
     finally:
         if proc.returncode is None:
             proc.kill()

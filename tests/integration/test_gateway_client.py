@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.client import GatewayCallError, GatewayClient
 from tests.fakes import DEFAULT_PIECES, FakeDecode
-from tests.helpers import free_port, gateway_cluster, served_name, tokenizer
+from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -88,6 +88,6 @@ async def test_generate_and_chat_commands() -> None:
         code, out, err = await _run_cli("chat", "-m", "Hi", "--target", c.grpc_target)
         assert code == 0, err
         assert out.strip() == ANSWER
-    code, out, err = await _run_cli("generate", "x", "--target", f"127.0.0.1:{free_port()}")
+    code, out, err = await _run_cli("generate", "x", "--target", dead_address())
     assert code == 1
     assert "cannot reach the gateway" in err and "Traceback" not in err

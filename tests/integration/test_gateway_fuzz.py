@@ -160,6 +160,8 @@ def base_url() -> Iterator[str]:
     yield state["url"]
     loop.call_soon_threadsafe(state["stop"].set)
     thread.join(30)
+    assert not thread.is_alive(), "the gateway did not stop"
+    loop.close()  # a loop left open keeps grpc.aio's poller delivering to it
 
 
 SENT: list[int] = []

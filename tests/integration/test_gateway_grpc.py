@@ -51,7 +51,8 @@ async def test_generate_chat_streams_tokens_then_final() -> None:
     assert final.transfer.kv_bytes_received == (len(ids) - 1) * KV_BYTES_PER_TOKEN
     assert final.transfer.kv_blocks_received == (len(ids) + 15) // 16
     assert c.decode is not None and c.prefill is not None
-    assert c.decode.seen.requests[0].request_id == "grpc-req-1"
+    assert c.decode.seen.requests[0].request_id == c.prefill.seen.requests[0].request_id
+    assert "grpc-req-1" not in c.decode.seen.requests[0].request_id
     assert list(c.prefill.seen.requests[0].prompt_token_ids) == ids
     assert c.prefill.seen.requests[0].params.temperature == 0.5
 

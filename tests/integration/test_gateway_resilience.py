@@ -53,7 +53,9 @@ async def test_prefill_error_falls_back_and_aborts_prefill() -> None:
         await asyncio.wait_for(prefill.seen.aborted.wait(), 5)
     assert response.status_code == 200
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert prefill.seen.aborts == [response.headers["x-request-id"]]
+    (prefill_req,) = prefill.seen.requests
+    assert prefill.seen.aborts == [prefill_req.request_id]
+    assert prefill_req.request_id != response.headers["x-request-id"]
 
 
 async def test_prefill_failure_policy_fail_answers_503() -> None:
@@ -118,7 +120,9 @@ async def test_client_disconnect_mid_stream_cancels_decode() -> None:
         await asyncio.wait_for(decode.seen.aborted.wait(), 5)
         metrics = await _metrics(c.base_url)
     assert any(line.startswith("data: ") for line in received)
-    assert decode.seen.aborts == [request_id] and c.prefill.seen.aborts == [request_id]
+    (internal_id,) = {r.request_id for r in decode.seen.requests}
+    assert internal_id != request_id
+    assert decode.seen.aborts == [internal_id] and c.prefill.seen.aborts == [internal_id]
     labels = 'endpoint="chat_completions",outcome="cancelled",path="disaggregated"'
     assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
 
@@ -170,7 +174,7 @@ async def test_kv_transfer_failure_falls_back_to_local_on_the_same_decode_worker
     assert first.HasField("kv_transfer_params") and not second.HasField("kv_transfer_params")
     assert list(first.prompt_token_ids) == list(second.prompt_token_ids)
     assert healthy  # the decode worker is fine: it only could not pull
-    assert c.prefill.seen.aborts == [response.headers["x-request-id"]]
+    assert c.prefill.seen.aborts == [first.request_id] != [response.headers["x-request-id"]]
     assert 'pdserve_gateway_local_fallbacks_total{reason="kv_transfer_failed"} 1.0' in metrics
     labels = 'endpoint="chat_completions",outcome="ok",path="local"'
     assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics

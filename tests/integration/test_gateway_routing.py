@@ -167,11 +167,6 @@ async def test_short_uncached_part_is_computed_by_the_decode_worker(
         assert reply.headers["x-pdserve-prefill-worker"] == "p-a"
 
 
-@pytest.mark.skip(
-    reason="intermittent hang in gateway start-up (HTTP server never listens) when run after the "
-    "other fleets of this file; under investigation. The headers-off behaviour is covered by "
-    "tests/unit/test_routing_headers.py"
-)
 async def test_routing_headers_can_be_turned_off(redis_server: RedisServer) -> None:
     async with fleet(redis_server.url, ["p-a"], ["d-0"], routing_headers=False) as f:
         reply = await complete(f.url, prompt_ids("hello"))

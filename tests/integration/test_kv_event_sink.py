@@ -11,7 +11,8 @@ import pytest
 
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.redis_server import RedisServer
-from pdserve.worker.kv_events import EventSink, free_loopback_port
+from pdserve.tasks import cancel_and_wait
+from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
 
 M, W = "model", "prefill-0"
 
@@ -32,13 +33,14 @@ def removed(*hashes: int) -> Any:
 class Engine:
     """vLLM's ZmqEventPublisher, configured as pdserve configures the engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoints: EventEndpoints | None = None) -> None:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
-        self.publish_port, self.replay_port = free_loopback_port(), free_loopback_port()
+        self.endpoints = endpoints or EventEndpoints.private()
+        config = events_config(self.endpoints)
         self.publisher = ZmqEventPublisher(
-            0, endpoint=f"tcp://127.0.0.1:{self.publish_port}",
-            replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}", topic="kv",
+            0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"],
+            topic=config["topic"],
         )  # fmt: skip
 
     def step(self, *events: Any) -> None:
@@ -66,9 +68,7 @@ async def running(sink: EventSink) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)  # the sink talks to Redis (see pdserve.tasks)
 
 
 async def until(predicate: Any, timeout_s: float = 10.0) -> None:
@@ -83,7 +83,7 @@ async def test_steps_published_before_the_sink_started_are_replayed(store: Redis
     engine.step(stored(1, 2))
     engine.step(stored(3), removed(2))
     await store.apply(M, W, [])  # nothing yet
-    sink = EventSink(store, M, W, engine.publish_port, engine.replay_port)
+    sink = EventSink(store, M, W, engine.endpoints)
     async with running(sink):
         await until(lambda: _count(store, [1, 3], 2))
         assert await _count(store, [1, 2], 1)  # block 2 was stored, then removed
@@ -93,9 +93,26 @@ async def test_steps_published_before_the_sink_started_are_replayed(store: Redis
     engine.publisher.shutdown()
 
 
+async def test_the_sink_may_start_before_the_engine_binds(store: RedisStore) -> None:
+    """As in a worker: the sink runs while the engine is still loading; nothing is bound on
+    a port in the meantime, only paths in the worker's own directory."""
+    endpoints = EventEndpoints.private()
+    assert endpoints.publish.startswith("ipc://") and endpoints.replay.startswith("ipc://")
+    assert endpoints.directory.stat().st_mode & 0o077 == 0  # nobody else's
+    sink = EventSink(store, M, W, endpoints)
+    async with running(sink):
+        await asyncio.sleep(0)  # the sink task runs up to its first await: it has connected
+        engine = Engine(endpoints)
+        engine.step(stored(7))
+        await until(lambda: _count(store, [7], 1))
+    engine.publisher.shutdown()
+    endpoints.remove()
+    assert not endpoints.directory.exists()
+
+
 async def test_a_sequence_gap_is_filled_from_the_replay_buffer(store: RedisStore) -> None:
     engine = Engine()
-    sink = EventSink(store, M, W, engine.publish_port, engine.replay_port)
+    sink = EventSink(store, M, W, engine.endpoints)
     async with running(sink):
         engine.step(stored(10))
         await until(lambda: _count(store, [10], 1))
@@ -112,7 +129,7 @@ async def test_the_index_is_rebuilt_after_redis_comes_back(
     store: RedisStore, redis_server: RedisServer
 ) -> None:
     engine = Engine()
-    sink = EventSink(store, M, W, engine.publish_port, engine.replay_port)
+    sink = EventSink(store, M, W, engine.endpoints)
     async with running(sink):
         engine.step(stored(1))
         await until(lambda: _count(store, [1], 1))

@@ -47,14 +47,24 @@ class Ok(http.server.BaseHTTPRequestHandler):
         self.end_headers()
     def log_message(self, *args):
         pass
-http.server.HTTPServer(("127.0.0.1", port), Ok).serve_forever()
+class Server(http.server.HTTPServer):
+    allow_reuse_port = True  # joins the test's reservation of the port (see reserved_port)
+Server(("127.0.0.1", port), Ok).serve_forever()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_RESERVED: list[socket.socket] = []
+
+
+def reserved_port() -> int:
+    """A port the child will bind, held by this process until then and after: bound with
+    SO_REUSEPORT and never listened on, so only a socket that also sets SO_REUSEPORT (the
+    child's; same user) can bind it too, and connections go to the child's listener."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    _RESERVED.append(sock)
+    return int(sock.getsockname()[1])
 
 
 def pid_gone(pid: int) -> bool:
@@ -125,7 +135,7 @@ class Cluster:
         self.drivers: list[Driver] = []
 
     def child(self, name: str, mode: str = "serve", delay_s: float = 0.0, stage: int = 0) -> None:
-        port = free_port()
+        port = reserved_port()
         pid_file = self.tmp_path / f"{name}.pids"
         argv = [sys.executable, "-c", CHILD, str(port), str(pid_file), mode, str(delay_s)]
         url = None if mode == "sleep" else f"http://127.0.0.1:{port}/health"

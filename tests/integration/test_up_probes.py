@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -12,24 +11,18 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.up import grpc_serving, http_ok
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.helpers import dead_address
 
 
 async def test_grpc_serving_follows_the_health_status() -> None:
-    port = free_port()
-    check = grpc_serving(f"127.0.0.1:{port}")
-    assert await check() is False, "nothing listens yet"
+    assert await grpc_serving(dead_address())() is False, "nothing listens"
 
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    check = grpc_serving(f"127.0.0.1:{port}")
     try:
         await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         assert await check() is False
@@ -67,4 +60,4 @@ async def test_http_ok_needs_200(http_server: http.server.HTTPServer) -> None:
     assert await check() is False
     _Status.status = 200
     assert await check() is True
-    assert await http_ok(f"http://127.0.0.1:{free_port()}/health")() is False, "refused"
+    assert await http_ok(f"http://{dead_address()}/health")() is False, "refused"
