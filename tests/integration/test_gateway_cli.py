@@ -8,7 +8,7 @@ import sys
 
 import httpx
 
-from tests.fakes import FakeDecode, start_worker
+from pdserve.fake_worker import FakeDecode, start_worker
 from tests.helpers import free_port, model_dir, served_name
 
 
