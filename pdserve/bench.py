@@ -3,6 +3,8 @@
 - ``pdserve bench kv``: KV transfer throughput of the connector vs a raw loopback socket.
 - ``pdserve bench routing``: prefix-cache hit rate and TTFT of cache-aware vs round-robin
   routing on a real cluster, in the same run.
+- ``pdserve bench gateway``: the gateway's added TTFT/ITL (fake workers, many concurrent
+  streams) against a direct connection to the decode worker, in the same run.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"kv": "kv_transfer.bench", "routing": "pdserve.bench_routing"}
+BENCHES = {
+    "kv": "kv_transfer.bench",
+    "routing": "pdserve.bench_routing",
+    "gateway": "pdserve.bench_gateway",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
