@@ -2,12 +2,12 @@
 tokenization, block hashing. It keeps that work off the event loop, so one long prompt does
 not stall every other stream's tokens.
 
-What a thread buys, measured (gateway/offload.py's history and docs/benchmarks.md): the HF
-fast tokenizer releases the GIL while it encodes (two threads encode ~1.9x as fast as one, and
-the event loop keeps running meanwhile), so encoding in a thread is real parallelism. Jinja
-templates and the sha256/CBOR block hashes are Python and hold the GIL; in a thread they only
-stop being one uninterrupted stall: the interpreter hands the GIL back to the event loop every
-``sys.getswitchinterval()`` (5 ms). ``threads=0`` runs everything inline on the loop.
+What a thread buys (measured, see docs/benchmarks.md "Gateway overhead"): the HF fast
+tokenizer releases the GIL while it encodes (two threads encode ~1.9x as fast as one, and the
+event loop keeps running meanwhile), so encoding in a thread is real parallelism, and encoding
+is most of a prompt's cost. Jinja templates and the sha256/CBOR block hashes are Python and
+hold the GIL; in a thread they only stop being one uninterrupted stall (the interpreter hands
+the GIL back every ``sys.getswitchinterval()``, 5 ms). ``threads=0`` runs everything inline.
 
 Exceptions raised by the work (e.g. ``InvalidRequest`` for a bad chat) reach the awaiting
 caller unchanged. A caller cancelled while its work runs stops waiting; the work itself

@@ -2,12 +2,13 @@
 
 Fake prefill and decode workers (``pdserve.fake_worker``, one process) stream tokens at a
 fixed pace; a real gateway (``pdserve gateway``, its own process; prefix routing on a private
-Redis unless ``--no-redis``) serves them. This process is the client: one event loop, many
-concurrent streams, run three ways in turn, round after round, on the same workers: straight
-to the decode worker's gRPC stream, through the gateway's OpenAI HTTP API (streaming chat) and
-through its gRPC API. The gateway's added latency is a percentile through it minus the same
-percentile direct. The direct path skips what the gateway adds on purpose: chat template,
-tokenization, block hashing, the Redis lookup, the (instant) fake prefill call and the relay.
+Redis unless ``--no-redis``) serves them. This process is the client: one event loop keeps
+``--streams`` streams open (a closed loop: each stream runs its requests back to back), three
+ways in turn, round after round, on the same workers: straight to the decode worker's gRPC
+stream, through the gateway's OpenAI HTTP API (streaming chat) and through its gRPC API. The
+gateway's added latency is a percentile through it minus the same percentile direct. The
+direct path skips what the gateway adds on purpose: chat template, tokenization, block
+hashing, the Redis lookup, the (instant) fake prefill call and the relay.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ PATHS = ("direct_grpc", "gateway_http", "gateway_grpc")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=256, help="concurrent streams per path")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per stream")
+    parser.add_argument("--requests", type=int, default=2,
+                        help="measured requests per stream per round, back to back")  # fmt: skip
     parser.add_argument("--interval-ms", type=float, default=50.0,
                         help="the fake decode worker's pause before each token")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every path")
@@ -135,9 +138,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     machine = cpu_info()
     logs = tempfile.mkdtemp(prefix="pdserve-bench-gateway-")
-    print(f"gateway overhead: {args.streams} streams x {args.tokens} tokens every "
-          f"{args.interval_ms:g} ms, {args.rounds} rounds; {describe(machine)}; logs in {logs}",
-          flush=True)  # fmt: skip
+    print(f"gateway overhead: {args.streams} concurrent streams x {args.tokens} tokens every "
+          f"{args.interval_ms:g} ms, {args.requests} requests per stream x {args.rounds} "
+          f"rounds; {describe(machine)}; logs in {logs}", flush=True)  # fmt: skip
     redis = None if args.no_redis else RedisServer().start()
     processes: list[subprocess.Popen[Any]] = []
     try:
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 async def measure(
     args: argparse.Namespace, targets: dict[str, str], gateway_pid: int
 ) -> tuple[dict[str, PathResult], dict[str, Any]]:
-    from pdserve.bench_gateway_client import PathResult, Paths, run_phase
+    from pdserve.bench_gateway_client import PathResult, Paths
     from pdserve.client import GatewayClient
 
     prompts = [prompt(i, args.prompt_words) for i in range(args.streams)]
@@ -174,12 +177,9 @@ async def measure(
         model = json.loads(response.read())["data"][0]["id"]
     paths = Paths(targets["decode"], targets["grpc"], targets["http"], model, prompts, prompt_ids)
     await paths.open(args.streams)
-    spread_s = args.interval_ms / 1000  # starts spread over one token interval
     results = {name: PathResult() for name in PATHS}
     cpu = {name: {"gateway_s": 0.0, "client_s": 0.0, "wall_s": 0.0} for name in PATHS}
     try:
-        for stream in paths.streams(2).values():  # warm-up: connections, caches
-            await run_phase(stream, args.streams, 2, spread_s, PathResult())
         streams = paths.streams(args.tokens)
         for r in range(args.rounds):
             for k in range(len(PATHS)):
@@ -209,8 +209,8 @@ async def _phase(
     failed_before = result.failed
     gateway_cpu, client_cpu = _cpu_s(gateway_pid), time.process_time()
     wall = await run_phase(
-        stream, args.streams, args.tokens, args.interval_ms / 1000, result,
-        progress if sys.stdout.isatty() else None,
+        stream, args.streams, args.tokens, args.requests, args.tokens * args.interval_ms / 1000,
+        result, progress if sys.stdout.isatty() else None,
     )  # fmt: skip
     gateway_after = _cpu_s(gateway_pid)
     cpu["wall_s"] += wall
@@ -255,15 +255,16 @@ def build_report(
             for metric in ("ttft_ms", "itl_ms")
         }
     argv = ["pdserve", "bench", "gateway", "--streams", str(args.streams), "--tokens",
-            str(args.tokens), "--interval-ms", f"{args.interval_ms:g}", "--rounds",
-            str(args.rounds), "--prompt-words", str(args.prompt_words)]  # fmt: skip
+            str(args.tokens), "--requests", str(args.requests), "--interval-ms",
+            f"{args.interval_ms:g}", "--rounds", str(args.rounds), "--prompt-words",
+            str(args.prompt_words)]  # fmt: skip
     if args.prompt_threads is not None:
         argv += ["--prompt-threads", str(args.prompt_threads)]
     if args.no_redis:
         argv.append("--no-redis")
     return {
         "bench": "gateway", "command": shlex.join(argv), "machine": machine,
-        "config": {"streams": args.streams, "tokens": args.tokens,
+        "config": {"streams": args.streams, "tokens": args.tokens, "requests": args.requests,
                    "interval_ms": args.interval_ms, "rounds": args.rounds,
                    "prompt_words": args.prompt_words,
                    "prompt_tokens_mean": extra["prompt_tokens_mean"],

@@ -114,8 +114,7 @@ class Paths:
                         raise RuntimeError(event[6:200].decode(errors="replace"))
 
 
-async def _timed(stream: Stream, i: int, delay_s: float, expect: int, out: PathResult) -> None:
-    await asyncio.sleep(delay_s)
+async def _timed(stream: Stream, i: int, expect: int, out: PathResult) -> None:
     sent = last = time.perf_counter()
     n = 0
     try:
@@ -141,17 +140,24 @@ async def run_phase(
     stream: Stream,
     streams: int,
     tokens: int,
+    requests: int,
     spread_s: float,
     out: PathResult,
     progress: Callable[[int], None] | None = None,
 ) -> float:
-    """``streams`` concurrent streams, started evenly over ``spread_s`` (so arrivals are steady,
-    not one burst); returns the phase's wall time."""
+    """A closed loop of ``streams`` slots, each running one unmeasured request and then
+    ``requests`` measured ones back to back. Slots start evenly over ``spread_s`` (about one
+    stream's duration), so the measured requests arrive at a steady rate with ``streams``
+    streams open, not as one burst. Returns the phase's wall time."""
     started = time.perf_counter()
-    tasks = [
-        asyncio.create_task(_timed(stream, i, spread_s * i / streams, tokens, out))
-        for i in range(streams)
-    ]
+
+    async def slot(i: int) -> None:
+        await asyncio.sleep(spread_s * i / streams)
+        await _timed(stream, i, tokens, PathResult())  # the ramp: concurrency still rising
+        for _ in range(requests):
+            await _timed(stream, i, tokens, out)
+
+    tasks = [asyncio.create_task(slot(i)) for i in range(streams)]
     if progress is not None:
         watcher = asyncio.create_task(_watch(tasks, progress))
     await asyncio.gather(*tasks)

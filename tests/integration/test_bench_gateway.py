@@ -17,8 +17,8 @@ def test_bench_gateway_smoke(tmp_path: Path) -> None:
     out = tmp_path / "gateway.json"
     command = [
         sys.executable, "-m", "pdserve", "bench", "gateway", "--streams", "8", "--tokens", "4",
-        "--interval-ms", "5", "--rounds", "2", "--prompt-words", "40", "--model", model_dir(),
-        "--json", str(out),
+        "--requests", "2", "--interval-ms", "5", "--rounds", "2", "--prompt-words", "40",
+        "--model", model_dir(), "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -30,9 +30,9 @@ def test_bench_gateway_smoke(tmp_path: Path) -> None:
     assert report["config"]["streams"] == 8 and report["config"]["prompt_tokens_mean"] > 40
     for name in PATHS:
         path = report["paths"][name]
-        assert path["requests"] == 8 * 2, name
+        assert path["requests"] == 8 * 2 * 2, name  # streams x requests x rounds
         assert path["failed"] == 0 and path["errors"] == [], (name, path["errors"])
-        assert path["tokens"] == 8 * 2 * 4, name
+        assert path["tokens"] == 8 * 2 * 2 * 4, name
         for metric in ("ttft_ms", "itl_ms"):
             p50, p99 = path[metric]["p50"], path[metric]["p99"]
             assert 0 < p50 <= p99, (name, metric, p50, p99)
