@@ -185,6 +185,8 @@ async def measure(
             for k in range(len(PATHS)):
                 name = PATHS[(r + k) % len(PATHS)]  # rotate the order round by round
                 label = f"round {r + 1}/{args.rounds} {name}"
+                if name == "gateway_http":
+                    await paths.reopen_http(args.streams)
                 await _phase(args, label, streams[name], results[name], cpu[name], gateway_pid)
     finally:
         await paths.close()

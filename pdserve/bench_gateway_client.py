@@ -55,6 +55,14 @@ class Paths:
     async def open(self, streams: int) -> None:
         self._direct = DecodeClient(self.decode_address, default_timeout_s=self.timeout_s)
         self._grpc = GatewayClient(self.gateway_grpc, timeout_s=self.timeout_s)
+        await self.reopen_http(streams)
+
+    async def reopen_http(self, streams: int) -> None:
+        """Fresh HTTP connections, made before each HTTP phase: the gateway (uvicorn) closes
+        keep-alive connections idle for 5 s, as they are while the other paths run, and
+        reusing one it is closing fails the request (httpx ReadError)."""
+        if self._http is not None:
+            await self._http.aclose()
         limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
         timeout = httpx.Timeout(self.timeout_s, connect=30.0)
         self._http = httpx.AsyncClient(base_url=self.gateway_http, limits=limits, timeout=timeout)
