@@ -59,8 +59,8 @@ class Paths:
 
     async def reopen_http(self, streams: int) -> None:
         """Fresh HTTP connections, made before each HTTP phase: the gateway (uvicorn) closes
-        keep-alive connections idle for 5 s, as they are while the other paths run, and
-        reusing one it is closing fails the request (httpx ReadError)."""
+        keep-alive connections idle for 5 s, as they are while the other paths run. (This did
+        not end the rare ReadError seen in saturated HTTP phases; its cause is not known.)"""
         if self._http is not None:
             await self._http.aclose()
         limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
