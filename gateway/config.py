@@ -136,6 +136,12 @@ class GatewaySettings(BaseSettings):
     retry_after_s: int = Field(
         default=1, ge=0, description="Retry-After (seconds) sent with 429 answers"
     )
+    prompt_threads: int = Field(
+        default=4,
+        ge=0,
+        description="threads that render chat templates, tokenize and hash prompts off the "
+        "event loop (0: on the event loop)",
+    )
 
     @field_validator("prefill_workers", "decode_workers", "api_keys", mode="before")
     @classmethod

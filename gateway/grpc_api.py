@@ -159,10 +159,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         await self._authorize(context)
         try:
             self.service.check_model(request.model)
+            run = self.service.offload.run  # off the event loop
             if request.WhichOneof("input") == "chat":
-                ids = self.service.tokenize(Prompt(messages=_messages(request.chat)))
+                ids = await run(self.service.tokenize, Prompt(messages=_messages(request.chat)))
             else:
-                ids = self.service.tokenizer.encode_text(request.text)
+                ids = await run(self.service.tokenizer.encode_text, request.text)
         except GatewayError as err:
             await _abort(context, err)
         return generate_pb2.TokenizeResponse(

@@ -113,11 +113,11 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
 def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
     @api.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(service, body)
+        return await tokenize(service, body)
 
     @api.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        return detokenize(service, body)
+        return await detokenize(service, body)
 
 
 def _add_open_routes(app: FastAPI, service: GenerationService) -> None:

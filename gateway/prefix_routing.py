@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from gateway.errors import NoWorkerAvailable
 from gateway.interfaces import CompatibilityCheck
+from gateway.offload import Offload
 from gateway.pool import DecodeWorker, PrefillWorker, Worker
 from gateway.routing import PickerContext, Route, RouteRequest
 from pdserve.kvindex.hashing import block_hashes
@@ -45,6 +46,7 @@ class PrefixPicker:
         self.settings = context.settings
         self.metrics = context.metrics
         self.index = context.index
+        self.offload = context.offload or Offload(0)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._index_down = False
 
@@ -88,7 +90,9 @@ class PrefixPicker:
         if self.index is None or len(sizes) != 1 or not request.token_ids:
             return {}
         block_size = sizes.pop()
-        hashes = block_hashes(request.token_ids, block_size, self.settings.hash_seed)
+        hashes = await self.offload.run(
+            block_hashes, request.token_ids, block_size, self.settings.hash_seed
+        )
         if not hashes:
             return {}
         started = time.monotonic()

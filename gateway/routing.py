@@ -10,6 +10,7 @@ from gateway.config import GatewaySettings
 from gateway.errors import NoWorkerAvailable
 from gateway.interfaces import CompatibilityCheck, Picker
 from gateway.metrics import GatewayMetrics
+from gateway.offload import Offload
 from gateway.pool import DecodeWorker, PrefillWorker
 from pdserve.kvindex.interfaces import PrefixIndex
 
@@ -43,6 +44,8 @@ class PickerContext:
     settings: GatewaySettings
     metrics: GatewayMetrics
     index: PrefixIndex | None = None
+    # Where CPU-heavy steps (block hashing) run, off the event loop; None: inline.
+    offload: Offload | None = None
 
 
 class RoundRobinPicker:

@@ -24,6 +24,7 @@ from gateway.grpc_api import SERVICE_NAME, GenerationServicer
 from gateway.http import create_app
 from gateway.interfaces import PromptTokenizer
 from gateway.metrics import GatewayMetrics
+from gateway.offload import Offload
 from gateway.pool import WorkerPool
 from gateway.routing import PickerContext, make_picker
 from gateway.service import GenerationService
@@ -73,6 +74,8 @@ class GatewayServer:
         self._tokenizer = tokenizer
         self.metrics = GatewayMetrics()
         self.pool = WorkerPool(settings)
+        # Templates, tokenization and block hashing run on these threads (gateway.offload).
+        self.offload = Offload(settings.prompt_threads)
         self.service: GenerationService | None = None
         self.http_port = 0
         self.grpc_port = 0
@@ -103,9 +106,10 @@ class GatewayServer:
             pool=self.pool,
             picker=make_picker(
                 self.settings.picker_name(),
-                PickerContext(self.settings, self.metrics, index=self.store),
+                PickerContext(self.settings, self.metrics, index=self.store, offload=self.offload),
             ),
             metrics=self.metrics,
+            offload=self.offload,
         )
 
     async def start(self) -> None:
@@ -184,4 +188,5 @@ class GatewayServer:
         await self.pool.close()
         if self.store is not None:
             await self.store.close()
+        self.offload.close()
         log.info("gateway stopped")

@@ -33,6 +33,7 @@ from gateway.errors import (
 from gateway.generation import AnyWorker, Event, Generation, outcome_for
 from gateway.interfaces import Picker, PromptTokenizer
 from gateway.metrics import GatewayMetrics
+from gateway.offload import Offload
 from gateway.params import check_sampling, resolve_max_tokens
 from gateway.pool import WorkerPool
 from gateway.routing import Route, RouteRequest
@@ -101,8 +102,11 @@ class GenerationService:
         pool: WorkerPool,
         picker: Picker,
         metrics: GatewayMetrics,
+        offload: Offload | None = None,
     ) -> None:
         self.settings = settings
+        # Chat templates and tokenization run here, off the event loop (None: inline).
+        self.offload = offload or Offload(0)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.pool = pool
@@ -129,7 +133,7 @@ class GenerationService:
             self._check_model(request.model)
             check_sampling(request.params)
             self._admit()
-            token_ids = self.tokenize(request.prompt)
+            token_ids = await self.offload.run(self.tokenize, request.prompt)
             params = resolve_max_tokens(
                 request.params,
                 len(token_ids),

@@ -37,15 +37,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
-def tokenize(service: GenerationService, body: TokenizeRequest) -> dict[str, Any]:
+async def tokenize(service: GenerationService, body: TokenizeRequest) -> dict[str, Any]:
     service.check_model(body.model or "")
-    if body.messages is not None:
-        messages = tuple(m.for_template(i) for i, m in enumerate(body.messages))
-        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
-        ids = service.tokenize(Prompt(messages=messages, tools=tools))
-    else:
-        ids = service.tokenizer.encode_text(body.prompt or "")
-    strs = [service.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+    ids, strs = await service.offload.run(_tokenize, service, body)  # off the event loop
     return {
         "count": len(ids),
         "max_model_len": service.pool.max_model_len(),
@@ -54,10 +48,23 @@ def tokenize(service: GenerationService, body: TokenizeRequest) -> dict[str, Any
     }
 
 
-def detokenize(service: GenerationService, body: DetokenizeRequest) -> dict[str, Any]:
+def _tokenize(
+    service: GenerationService, body: TokenizeRequest
+) -> tuple[list[int], list[str] | None]:
+    if body.messages is not None:
+        messages = tuple(m.for_template(i) for i, m in enumerate(body.messages))
+        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
+        ids = service.tokenize(Prompt(messages=messages, tools=tools))
+    else:
+        ids = service.tokenizer.encode_text(body.prompt or "")
+    strs = [service.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+    return ids, strs
+
+
+async def detokenize(service: GenerationService, body: DetokenizeRequest) -> dict[str, Any]:
     service.check_model(body.model or "")
     vocab = service.tokenizer.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise InvalidRequest(f"token id {bad[0]} is out of vocabulary", param="tokens")
-    return {"prompt": service.tokenizer.decode(body.tokens)}
+    return {"prompt": await service.offload.run(service.tokenizer.decode, body.tokens)}

@@ -11,6 +11,12 @@ class, not ``AutoTokenizer``: importing ``AutoTokenizer`` pulls in torch, which 
 never import. ``tokenizer.json`` fully defines normalisation, pre-tokenisation and special
 tokens, so the ids are those of the model's own tokenizer (checked against vLLM's request path
 for the default model).
+
+Threads: the gateway calls one ``HfTokenizer`` from several threads (``gateway.offload``).
+The Rust tokenizer encodes concurrently under shared borrows; what breaks it ("RuntimeError:
+Already borrowed") is a concurrent *change* of its truncation/padding, which transformers
+makes only when a call asks for different settings than the last. Every call here asks for
+the same (none), and ``__init__`` makes the first call, so no call from a thread mutates.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class HfTokenizer:
         self.eos_token_id: int | None = self._tok.eos_token_id
         if not getattr(self._tok, "chat_template", None):
             log.warning("tokenizer in %s has no chat template: chat requests will fail", model_dir)
+        self.encode_text("")  # settles truncation/padding before any thread encodes (above)
 
     def encode_text(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))

@@ -6,6 +6,8 @@
 - ``pdserve bench serve``: pdserve vs monolithic ``vllm serve`` on the same cores, same
   workloads (vLLM's own benchmark client), with tables and plots.
 - ``pdserve bench engine``: each worker's engine speed vs a bare vLLM engine, same settings.
+- ``pdserve bench gateway``: the gateway's added TTFT/ITL (fake workers, many concurrent
+  streams) against a direct connection to the decode worker, in the same run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ BENCHES = {
     "routing": "pdserve.bench_routing",
     "serve": "pdserve.bench_serve",
     "engine": "pdserve.bench_engine",
+    "gateway": "pdserve.bench_gateway",
 }
 
 

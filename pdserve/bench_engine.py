@@ -198,9 +198,8 @@ def _run_bare(args: argparse.Namespace, log: Path, out: Path) -> dict[str, float
 
 def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-engine-"))
-    info = machine.describe()
-    print(f"bench engine: {info['cpu_model']}, ISA {' '.join(info['isa'])}; cores {args.cores}; "
-          f"logs in {work}")  # fmt: skip
+    info = machine.cpu_info()
+    print(f"bench engine: {machine.describe(info)}; cores {args.cores}; logs in {work}")
     results: dict[str, dict[str, float]] = {}
     engines = [e for e in args.engines.split(",") if e]
     for i, name in enumerate(engines, 1):

@@ -265,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="pdserve-bench-serve-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model, name = resolve_model(None), served_model_name("")
-    info = machine.describe()
-    print(f"bench serve: {info['cpu_model']} ({info['cores']} cores, ISA {' '.join(info['isa'])})")
+    info = machine.cpu_info()
+    print(f"bench serve: {machine.describe(info)}")
     print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; results in {out}")
     raw: dict[str, dict[str, dict[str, Any]]] = {}  # label -> system -> vLLM result
     counters: dict[str, dict[str, dict[str, float]]] = {}

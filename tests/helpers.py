@@ -16,9 +16,9 @@ from typing import Any
 from gateway.config import GatewaySettings
 from gateway.server import GatewayServer
 from gateway.tokenizer import HfTokenizer
+from pdserve.fake_worker import FakeDecode, FakePrefill, start_worker
 from pdserve.grpc_server import GrpcServer
 from pdserve.settings import default_model_dir
-from tests.fakes import FakeDecode, FakePrefill, start_worker
 
 MODEL_WAIT_S = 900.0
 

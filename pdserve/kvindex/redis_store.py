@@ -100,14 +100,25 @@ def _encode(ops: Sequence[BlockOps]) -> list[str | int]:
     return args
 
 
+MAX_CONNECTIONS = 64  # per process; more concurrent calls wait for a free one
+
+
 class RedisStore:
     """Both the ``PrefixIndex`` and the ``WorkerRegistry`` over one Redis connection pool."""
 
     def __init__(self, url: str, prefix: str = "pdserve", timeout_s: float = 2.0) -> None:
         self.keys = Keys(prefix)
-        self.client = aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        # A blocking pool: with more concurrent calls than connections a call waits (up to
+        # timeout_s) for one, where the default pool fails it at once ("Too many
+        # connections"), which at 256 concurrent requests turned prefix routing off.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
         )
+        self.client = aioredis.Redis.from_pool(pool)
         self._apply = self.client.register_script(_APPLY)
         self._longest = self.client.register_script(_LONGEST)
         self._reap = self.client.register_script(_REAP)

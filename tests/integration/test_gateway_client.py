@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pdserve.client import GatewayCallError, GatewayClient
-from tests.fakes import DEFAULT_PIECES, FakeDecode
+from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode
 from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)

@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.fakes import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
+from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
 from tests.helpers import dead_address, gateway_cluster, served_name
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]

@@ -188,16 +188,16 @@ def test_the_scheduler_announces_jobs_at_once_and_the_late_step_copy_is_ignored(
 
 @pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)
 async def test_a_decode_worker_keeps_a_queued_handoff_alive_until_it_stops(
-    agents: Agents, secret_file: Path, monkeypatch: pytest.MonkeyPatch
+    agents: Agents,
 ) -> None:
     """The decode service renews the hand-off's lease while its engine has the request queued
     (here: three leases long), and stops when told to: the lease then runs out."""
     from decode_service.config import DecodeSettings
     from decode_service.service import DecodeService
 
-    monkeypatch.setenv("PDSERVE_SECRET_FILE", str(secret_file))
     settings = DecodeSettings.model_validate({"kv_lease_s": 1.0})
     service = DecodeService(None, settings, None)
+    service.secret = agents.secret  # the process-wide secret is read once, by whichever test
     agents.serve("queued", [2])
     handoff = {"remote_host": "127.0.0.1", "remote_port": agents.producer.port,
                "remote_request_id": "queued"}  # fmt: skip

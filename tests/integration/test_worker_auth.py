@@ -10,11 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_service.client import DecodeClient
 from kv_transfer.auth import new_secret
+from pdserve.fake_worker import FakeDecode, FakePrefill
 from pdserve.grpc_client import RpcCallError
 from pdserve.grpc_server import GrpcServer
 from prefill_service.client import PrefillClient
 from protos.v1 import common_pb2, worker_pb2_grpc
-from tests.fakes import FakeDecode, FakePrefill
 
 SECRET = new_secret().encode()
 

@@ -1,24 +1,40 @@
 """Scripted fake prefill and decode workers (real grpc.aio servers, no engine).
 
-For gateway tests only: they speak the worker protos exactly and record what they received,
-so a test can check token parity, the KV hand-off, request ids, aborts and cancellation.
+For gateway tests and gateway load benchmarks only (DESIGN.md: never a substitute for real
+engines): they speak the worker protos exactly and record what they received, so a test can
+check token parity, the KV hand-off, request ids, aborts and cancellation.
+
+``python -m pdserve.fake_worker --tokens 64 --interval-ms 50`` serves one of each on free
+loopback ports, prints ``{"prefill": PORT, "decode": PORT}`` as one JSON line and runs until
+SIGINT/SIGTERM (``pdserve bench gateway`` runs them so).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
+import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import grpc
 
-from pdserve.grpc_server import GrpcServer
+from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.settings import default_model_dir
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # (token id, text) of the scripted answer: "Hello, world!"
 DEFAULT_PIECES: list[tuple[int, str]] = [(19556, "Hello"), (28, ","), (905, " world"), (17, "!")]
 KV_BYTES_PER_TOKEN = 1000
+
+
+def pieces(n: int) -> list[tuple[int, str]]:
+    """``n`` scripted tokens: ``DEFAULT_PIECES`` over and over."""
+    return list(itertools.islice(itertools.cycle(DEFAULT_PIECES), n))
+
+
 KV_COMPAT = {"model": "fake", "dtype": "bfloat16", "block_size": "16", "kv_layout": "NHD"}
 
 
@@ -53,8 +69,11 @@ class Recorder(Generic[R]):
     metadata: list[dict[str, str]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    keep: bool = True  # False: a load benchmark, nobody reads the requests back
 
     def record(self, request: R, context: Any) -> None:
+        if not self.keep:
+            return
         self.requests.append(request)
         self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
 
@@ -68,9 +87,14 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
     """``serve_s`` > 0: prefills take that long each, one at a time (an engine's queue)."""
 
     def __init__(
-        self, *, cached_tokens: int = 3, max_model_len: int = 2048, serve_s: float = 0.0
+        self,
+        *,
+        cached_tokens: int = 3,
+        max_model_len: int = 2048,
+        record: bool = True,
+        serve_s: float = 0.0,
     ) -> None:
-        self.seen: Recorder[worker_pb2.PrefillRequest] = Recorder()
+        self.seen: Recorder[worker_pb2.PrefillRequest] = Recorder(keep=record)
         self.cached_tokens = cached_tokens
         self.serve_s = serve_s
         self.queue = asyncio.Lock()
@@ -117,9 +141,16 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """Streams ``pieces`` one token per chunk, the finish on the last token's chunk."""
 
-    def __init__(self, *, delay_s: float = 0.0, max_model_len: int = 2048) -> None:
-        self.seen: Recorder[worker_pb2.DecodeRequest] = Recorder()
-        self.pieces = list(DEFAULT_PIECES)
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.0,
+        max_model_len: int = 2048,
+        tokens: list[tuple[int, str]] | None = None,
+        record: bool = True,
+    ) -> None:
+        self.seen: Recorder[worker_pb2.DecodeRequest] = Recorder(keep=record)
+        self.pieces = list(tokens or DEFAULT_PIECES)
         self.delay_s = delay_s
         # Refuse hand-offs the way a worker does when it cannot pull the KV blocks.
         self.fail_kv_transfer = False
@@ -212,3 +243,34 @@ async def start_worker(servicer: FakePrefill | FakeDecode) -> GrpcServer:
     server = GrpcServer("127.0.0.1", 0, [lambda s: add(servicer, s)], [name])  # type: ignore[arg-type]
     await server.start()
     return server
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    stop = stop_event_on_signals()
+    prefill = FakePrefill(max_model_len=args.max_model_len, record=False)
+    decode = FakeDecode(
+        delay_s=args.interval_ms / 1000,
+        max_model_len=args.max_model_len,
+        tokens=pieces(args.tokens),
+        record=False,
+    )
+    servers = [await start_worker(prefill), await start_worker(decode)]
+    print(json.dumps({"prefill": servers[0].port, "decode": servers[1].port}), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for server in servers:
+            await server.stop(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.fake_worker", description=__doc__)
+    parser.add_argument("--tokens", type=int, default=len(DEFAULT_PIECES), help="per answer")
+    parser.add_argument("--interval-ms", type=float, default=0.0, help="pause before each token")
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    asyncio.run(_serve(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
