@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from gateway.pool import WorkerPool
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
@@ -14,6 +15,10 @@ from pdserve.kvindex.redis_store import RedisStore
 from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+# Workers announce themselves every HEARTBEAT_S (2 s) and count as gone after 3 missed: after
+# a registry reset, every live worker has announced itself again well within this.
+REGISTRY_RESET_GRACE_S = 15.0
 
 
 class RegistryDiscovery:
@@ -23,6 +28,8 @@ class RegistryDiscovery:
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._down = False
+        self._epoch: str | None = None
+        self._keep_until = 0.0  # after a registry reset: keep healthy workers until then
 
     async def start(self, first_pass_s: float) -> None:
         """First sync, bounded by ``first_pass_s`` (a slow registry or worker must not keep
@@ -39,6 +46,7 @@ class RegistryDiscovery:
 
     async def sync(self) -> None:
         try:
+            epoch = await self.registry.registry_epoch()
             records = await self.registry.alive_workers()
             if isinstance(self.registry, RedisStore):
                 for worker in await self.registry.reap_dead():
@@ -52,7 +60,15 @@ class RegistryDiscovery:
         if self._down:
             log.info("worker registry reachable again")
         self._down = False
-        await self.pool.reconcile(records)
+        if self._epoch is not None and epoch != self._epoch:
+            log.warning(
+                "the worker registry lost its data (Redis restarted?): known workers stay while "
+                "they answer their health checks, for %.0f s, until they announce themselves",
+                REGISTRY_RESET_GRACE_S,
+            )
+            self._keep_until = time.monotonic() + REGISTRY_RESET_GRACE_S
+        self._epoch = epoch
+        await self.pool.reconcile(records, keep_missing=time.monotonic() < self._keep_until)
 
     async def _loop(self) -> None:
         while True:

@@ -207,8 +207,12 @@ class WorkerPool:
         worker.healthy = healthy
         worker.last_error = why
 
-    async def reconcile(self, records: Sequence[WorkerRecord]) -> None:
-        """Match the discovered workers to the registry's live ones: add new, drop gone."""
+    async def reconcile(self, records: Sequence[WorkerRecord], keep_missing: bool = False) -> None:
+        """Match the discovered workers to the registry's live ones: add new, drop gone.
+
+        ``keep_missing``: the registry lost its data (a Redis restart) and the workers have
+        not announced themselves again yet; a missing worker is dropped only if its own
+        health check fails, so the pool is not emptied meanwhile."""
         alive = {(r.role, r.address): r for r in records if r.role in ("prefill", "decode")}
         everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
         known = {(w.role_name, w.address): w for w in everyone}
@@ -220,7 +224,7 @@ class WorkerPool:
                 added.append(worker)
             worker.reported_load = dict(record.load)
         for key, worker in known.items():
-            if worker.discovered and key not in alive:
+            if worker.discovered and key not in alive and not (keep_missing and worker.healthy):
                 self._drop(worker)
         if added:
             await asyncio.gather(*(self._refresh_one(w) for w in added))

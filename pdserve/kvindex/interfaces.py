@@ -69,3 +69,7 @@ class WorkerRegistry(Protocol):
 
     async def alive_workers(self) -> list[WorkerRecord]:
         """Every worker whose heartbeat has not expired, with its latest record."""
+
+    async def registry_epoch(self) -> str:
+        """An id of the registry's life: it changes when the registry lost its data (a Redis
+        restarted empty), so that a reader can tell "every worker left" from "forgotten"."""

@@ -5,6 +5,7 @@ served model name), so several models can share one Redis.
 
 - ``{p}:workers``                  HASH worker id -> WorkerRecord JSON (registry)
 - ``{p}:alive:{worker}``           STRING epoch, with a TTL refreshed by the heartbeat
+- ``{p}:registry``                 STRING the registry's epoch (new after Redis lost its data)
 - ``{p}:{ns}:b:{hash}``            SET of worker ids holding the block with that hash
 - ``{p}:{ns}:w:{worker}``          SET of block hashes the worker holds (reverse index)
 """
@@ -21,6 +22,10 @@ class Keys:
     @property
     def workers(self) -> str:
         return f"{self.prefix}:workers"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.prefix}:registry"
 
     def alive(self, worker: str) -> str:
         return f"{self.prefix}:alive:{worker}"

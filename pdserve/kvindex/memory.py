@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -44,6 +45,10 @@ class MemoryIndex:
 class MemoryRegistry:
     def __init__(self) -> None:
         self.records: dict[str, tuple[WorkerRecord, float]] = {}
+        self.epoch = uuid.uuid4().hex
+
+    async def registry_epoch(self) -> str:
+        return self.epoch
 
     async def announce(self, record: WorkerRecord, ttl_s: float) -> None:
         self.records[record.worker_id] = (record, time.monotonic() + ttl_s)

@@ -7,6 +7,7 @@ a lookup each see and leave a consistent index. Connection failures surface as
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,6 +179,13 @@ class RedisStore:
 
     async def alive_workers(self) -> list[WorkerRecord]:
         return [record for record, alive in await self._records() if alive]
+
+    async def registry_epoch(self) -> str:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.keys.registry, uuid.uuid4().hex, nx=True)
+        pipe.get(self.keys.registry)
+        _, epoch = await self._call(pipe.execute())
+        return str(epoch.decode())
 
     async def reap_dead(self) -> list[str]:
         """Forget workers whose heartbeat expired: their blocks, then their record.
