@@ -1,5 +1,5 @@
 """The prompts of the end-to-end tests: short, chat, several blocks, exact block multiples,
-one block plus one token, ~1,500 tokens, non-ASCII, multi-turn chat."""
+one block plus one token, ~1,500 and ~3,000 tokens, non-ASCII, multi-turn chat."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def cases(encode: Any) -> list[dict[str, Any]]:
         {"name": "exactly_two_blocks", "max_tokens": 16, "token_ids": ids_b[: 2 * BLOCK]},
         {"name": "one_block_plus_one", "max_tokens": 16, "token_ids": ids_c[: BLOCK + 1]},
         {"name": "about_1500_tokens", "max_tokens": 24, "text": long_text("solar output", 48)},
+        # Sent alone through the disaggregated path: no timeout, no fallback (issue 8).
+        {"name": "about_3000_tokens", "max_tokens": 16, "text": long_text("tidal heights", 97)},
         {
             "name": "non_ascii",
             "max_tokens": 24,
