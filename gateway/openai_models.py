@@ -38,14 +38,19 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+# The widths of the protobuf fields these travel in (SamplingParams): larger values are a 400.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
@@ -55,7 +60,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     stream: bool = False
@@ -275,7 +280,7 @@ class FunctionTool(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[FunctionTool] | None = None

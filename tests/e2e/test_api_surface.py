@@ -294,19 +294,22 @@ def test_vllm_bench_serve_completes_without_failures(cluster: RealCluster, tmp_p
     assert result.get("failed", 0) == 0, result
 
 
-async def _decode_load(address: str) -> Any:
-    from protos.v1 import worker_pb2, worker_pb2_grpc
+async def _decode_load(address: str, secret: bytes | None) -> Any:
+    """The decode worker's own load report (its calls need the deployment's secret)."""
+    from decode_service.client import DecodeClient
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        caps = await worker_pb2_grpc.DecodeWorkerStub(channel).GetCapabilities(
-            worker_pb2.CapabilitiesRequest(), timeout=5
-        )
+    async with DecodeClient(address, secret=secret) as client:
+        caps = await client.capabilities(timeout=5)
     return caps.load
 
 
 async def test_grpc_reflection_health_stream_and_cancel(cluster: RealCluster) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from kv_transfer.auth import load_secret
+
+    secret = load_secret(cluster.log_dir / "secret")
 
     async with grpc.aio.insecure_channel(cluster.grpc_target) as channel:
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -331,13 +334,13 @@ async def test_grpc_reflection_health_stream_and_cancel(cluster: RealCluster) ->
             received += len(piece.token_ids)
             if received >= 4:
                 break
-        busy = await _decode_load(decode_address)
+        busy = await _decode_load(decode_address, secret)
         await stream.aclose()  # cancels the RPC mid-stream
     assert busy.in_flight >= 1 and busy.running >= 1, busy
     deadline = time.monotonic() + 15
     load = busy
     while time.monotonic() < deadline:
-        load = await _decode_load(decode_address)
+        load = await _decode_load(decode_address, secret)
         if load.in_flight == 0 and load.running == 0:
             break
         await asyncio.sleep(0.2)

@@ -31,6 +31,9 @@ class StuckRegistry:
     async def withdraw(self, worker_id: str) -> None:
         pass
 
+    async def registry_epoch(self) -> str:
+        return "stuck"
+
     async def alive_workers(self) -> list[WorkerRecord]:
         self.asked.set()
         await self.release.wait()

@@ -53,3 +53,16 @@ def test_bad_sampling_names_the_field(params: common_pb2.SamplingParams, field: 
 
 def test_good_sampling_passes() -> None:
     check_sampling(common_pb2.SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=0, seed=1))
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "min_tokens", "top_k"])
+def test_integers_wider_than_their_proto_field_are_refused(field: str) -> None:
+    """A value that does not fit the worker API's field is a validation error (HTTP 400),
+    never an overflow inside the gateway (it was a 500)."""
+    from pydantic import ValidationError
+
+    from gateway.openai_models import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "x"}], field: 5_057_919_199}
+    with pytest.raises(ValidationError, match=field):
+        ChatCompletionRequest.model_validate(body)
