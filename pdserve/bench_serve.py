@@ -49,8 +49,12 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="pdserve,vllm (order run)")
-    parser.add_argument("--prefill", type=int, default=0, help="pdserve prefill workers (0: auto)")
-    parser.add_argument("--decode", type=int, default=0, help="pdserve decode workers (0: auto)")
+    parser.add_argument(
+        "--prefill", type=int, default=0, help="pdserve prefill workers (0: up's default)"
+    )
+    parser.add_argument(
+        "--decode", type=int, default=0, help="pdserve decode workers (0: up's default)"
+    )
     parser.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="tokens per answer")
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per workload")
@@ -108,7 +112,7 @@ def pdserve_cluster(args: argparse.Namespace, out: Path) -> Iterator[str]:
             str(p + 30), "--kv-port", str(p + 50),
             "--log-dir", str(out / "pdserve-logs")]  # fmt: skip
     log = out / "pdserve-up.log"
-    print(f"  starting pdserve up {' '.join(topology) or '(automatic topology)'} (log {log})")
+    print(f"  starting pdserve up {' '.join(topology) or '(its default topology)'} (log {log})")
     with _process(argv, dict(os.environ), log) as process:
         _wait_for_banner(log, process)
         yield f"http://127.0.0.1:{p}"

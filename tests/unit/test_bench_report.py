@@ -1,0 +1,57 @@
+"""pdserve bench serve's statistics (pdserve.bench_report) on hand-made vLLM results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.bench_report import Slo, percentile, ratios, slo_from, summarize, table
+
+
+def result(ttfts: list[float], itls: list[list[float]], errors: list[str] | None = None) -> dict:
+    n = len(ttfts)
+    return {
+        "duration": 10.0, "completed": n - sum(1 for e in errors or [] if e),
+        "failed": sum(1 for e in errors or [] if e), "request_throughput": n / 10.0,
+        "output_throughput": 3.0, "ttfts": ttfts, "itls": itls,
+        "latencies": [t + sum(i) for t, i in zip(ttfts, itls, strict=True)],
+        "start_times": [float(k) for k in range(n)], "errors": errors or [""] * n,
+    }  # fmt: skip
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile([0, 10], 90) == pytest.approx(9.0)
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_ignores_failed_requests_and_counts_goodput_against_the_slo() -> None:
+    raw = result(
+        [0.1, 0.2, 5.0, 0.1],
+        [[0.01, 0.01], [0.02, 0.2], [0.01], [9.0]],
+        errors=["", "", "", "boom"],
+    )
+    row = summarize(raw, Slo(ttft_s=1.0, tpot_s=0.05))
+    assert row["failed"] == 1 and row["completed"] == 3
+    assert row["ttft_p50_ms"] == pytest.approx(200.0)  # 0.1, 0.2, 5.0 (the failed one out)
+    assert row["itl_p99_ms"] < 9000  # the failed request's 9 s gap is not counted
+    # request 0 meets both; 1 has TPOT 110 ms; 2 has TTFT 5 s: one good request in 10 s
+    assert row["goodput_requests_per_s"] == pytest.approx(0.1)
+
+
+def test_default_slo_is_the_baselines_p90_and_ratios_say_who_is_better() -> None:
+    base = result([1.0] * 10, [[0.1, 0.1]] * 10)
+    ours = result([0.5] * 10, [[0.05, 0.05]] * 10)
+    slo = slo_from(base)
+    assert slo == Slo(ttft_s=pytest.approx(1.0), tpot_s=pytest.approx(0.1))
+    rows = [
+        {"workload": "w", "system": "pdserve", **summarize(ours, slo)},
+        {"workload": "w", "system": "vllm", **summarize(base, slo)},
+    ]
+    (r,) = ratios(rows, "pdserve", "vllm")
+    assert r["throughput"] == pytest.approx(1.0)
+    assert r["ttft_p99_better"] == pytest.approx(2.0)
+    assert r["itl_p99_better"] == pytest.approx(2.0)
+    assert "| w | pdserve |" in table(rows)
