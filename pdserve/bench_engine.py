@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from pdserve import machine
+from pdserve import machine, topology
 
 # One request: (prompt token ids, max tokens) -> token counts as they stream in.
 Stream = Callable[[list[int], int], AsyncIterator[int]]
@@ -219,10 +219,32 @@ def run(args: argparse.Namespace) -> int:
                 ratios[f"{name}_{key.removesuffix('_tokens_per_s')}"] = value / bare[key]
     for key, ratio in ratios.items():
         print(f"  {key}: worker / bare vLLM = {ratio:.3f}")
-    report = {"machine": info, "cores": args.cores, "results": results, "ratios": ratios}
+    splits = _splits(results.get("vllm", {}), args)
+    report = {"machine": info, "cores": args.cores, "results": results, "ratios": ratios,
+              "splits": splits}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _splits(bare: dict[str, float], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """From the bare engine's rates on ``--cores``: the best prefill/decode split of larger
+    machines for a 512-in/64-out workload (pdserve.topology; one core per measured rate)."""
+    if "prefill_tokens_per_s" not in bare or "decode_tokens_per_s" not in bare:
+        return []
+    per_core = sum(
+        int(b) - int(a) + 1 if b else 1
+        for a, _, b in (part.partition("-") for part in args.cores.split(","))
+    )
+    rows = []
+    print(f"  best split for 512 in / 64 out at decode batch {args.batch} (pdserve.topology):")
+    for cores in (2, 4, 8, 16, 32):
+        split = topology.best_split(cores, 512, 64, bare["prefill_tokens_per_s"] / per_core,
+                                    bare["decode_tokens_per_s"])  # fmt: skip
+        rows.append({"cores": cores, **split.__dict__})
+        print(f"    {cores:>2} cores: {split.prefill_cores} prefill + {split.decode_engines} "
+              f"decode, {split.requests_per_s:.2f} req/s ({split.bound}-bound)")  # fmt: skip
+    return rows
 
 
 def _child_main() -> int:
