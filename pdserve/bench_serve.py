@@ -224,15 +224,17 @@ def workload_runs(
 
 
 def run_workload(
-    workload: str, url: str, args: argparse.Namespace, model: str, name: str, out: Path
-) -> dict[str, dict[str, Any]]:
-    """Run the workload's clients at once; returns vLLM's detailed result per label."""
+    workload: str, system: str, url: str, args: argparse.Namespace, model: str, name: str,
+    out: Path,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Run the workload's clients at once; returns vLLM's detailed result per label (also
+    kept as ``<label>-<system>.json``)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     running = []
     for label, extra in workload_runs(workload, args, out):
-        result = out / f"{label}.json"
+        result = out / f"{label}-{system}.json"
         result.unlink(missing_ok=True)
-        log = open(out / f"{label}.log", "wb")  # noqa: SIM115 (closed below)
+        log = open(out / f"{label}-{system}.log", "wb")  # noqa: SIM115 (closed below)
         argv = [*_client_argv(url, model, name, result), *extra]
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         running.append((label, result, log, process))
@@ -282,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  [{system}] workload {i}/{len(workloads)}: {workload} ...", flush=True)
                 before = gateway_counters(url) if system == "pdserve" else {}
                 started = time.monotonic()
-                for label, result in run_workload(workload, url, args, model, name, out).items():
+                results = run_workload(workload, system, url, args, model, name, out)
+                for label, result in results.items():
                     raw.setdefault(label, {})[system] = result
                 if system == "pdserve":
                     after = gateway_counters(url)
