@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import machine, topology
+from pdserve.bench_serve import child_process
 
 # One request: (prompt token ids, max tokens) -> token counts as they stream in.
 Stream = Callable[[list[int], int], AsyncIterator[int]]
@@ -165,23 +166,14 @@ async def _wait_serving(address: str, process: subprocess.Popen[bytes]) -> None:
 def _run_worker(role: str, args: argparse.Namespace, log: Path) -> dict[str, float]:
     argv = [sys.executable, "-m", "pdserve", role, "--worker-id", f"bench-{role}", "--port",
             str(args.port), "--kv-port", str(args.port + 1), "--cpu-cores", args.cores]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{args.port}"
 
-    async def drive() -> dict[str, float]:
+    async def drive(process: subprocess.Popen[bytes]) -> dict[str, float]:
         await _wait_serving(address, process)
         return await _worker_rates(role, address, args)
 
-    try:
-        return asyncio.run(drive())
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with child_process(argv, dict(os.environ), log) as process:
+        return asyncio.run(drive(process))
 
 
 def _run_bare(args: argparse.Namespace, log: Path, out: Path) -> dict[str, float]:

@@ -85,7 +85,11 @@ def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, wha
 
 
 @contextmanager
-def _process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def child_process(
+    argv: list[str], env: dict[str, str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A benchmarked server in its own process group, output to ``log``; stopped (SIGTERM,
+    then SIGKILL after 120 s) with everything it started when the block ends."""
     with open(log, "ab") as out:
         process = subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -113,7 +117,7 @@ def pdserve_cluster(args: argparse.Namespace, out: Path) -> Iterator[str]:
             "--log-dir", str(out / "pdserve-logs")]  # fmt: skip
     log = out / "pdserve-up.log"
     print(f"  starting pdserve up {' '.join(topology) or '(its default topology)'} (log {log})")
-    with _process(argv, dict(os.environ), log) as process:
+    with child_process(argv, dict(os.environ), log) as process:
         _wait_for_banner(log, process)
         yield f"http://127.0.0.1:{p}"
 
@@ -153,7 +157,7 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
            "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores), "PYTHONHASHSEED": "42"}  # fmt: skip
     log = out / "vllm-serve.log"
     print(f"  starting monolithic vllm serve on cores {format_cores(cores)} (log {log})")
-    with _process(monolith_argv(model, name, port), env, log) as process:
+    with child_process(monolith_argv(model, name, port), env, log) as process:
         _wait_http(f"http://127.0.0.1:{port}/health", process, 900, "vllm serve")
         yield f"http://127.0.0.1:{port}"
 
