@@ -43,8 +43,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
+    from pdserve.worker.engine import cpu_dtype
+
+    # The dtype the workers pick on this CPU (bf16 only with native kernels, else float32).
     llm = LLM(
-        model=model, enforce_eager=True, gpu_memory_utilization=0.5, enable_prefix_caching=False
+        model=model,
+        dtype=cpu_dtype()[0],
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        enable_prefix_caching=False,
     )
     with open(cases_path) as f:
         cases = json.load(f)

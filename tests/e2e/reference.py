@@ -18,8 +18,15 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from pdserve.worker.engine import cpu_dtype
+
+    # The dtype the workers pick on this CPU (bf16 only with native kernels, else float32).
     llm = LLM(
-        model=model, enforce_eager=True, gpu_memory_utilization=0.5, enable_prefix_caching=False
+        model=model,
+        dtype=cpu_dtype()[0],
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        enable_prefix_caching=False,
     )
     with open(cases_path) as f:
         cases = json.load(f)

@@ -76,8 +76,11 @@ async def test_outputs_match_a_monolithic_engine_and_only_missing_blocks_move(
     for case in e2e_cases:
         expected = reference[case["name"]]
         tokens, text, final = await generate(cluster, case)
-        assert tokens == expected["token_ids"], (case["name"], text, expected["text"])
-        assert text == expected["text"], case["name"]
+        compared = case.get("compare_tokens")  # None: the whole greedy output
+        assert tokens[:compared] == expected["token_ids"][:compared], (case["name"], text)
+        if compared is None:
+            assert text == expected["text"], case["name"]
+        assert len(tokens) == len(expected["token_ids"]), case["name"]
         # the gateway tokenized exactly as vLLM does
         assert final.usage.prompt_tokens == len(expected["prompt_token_ids"]), case["name"]
         assert final.usage.completion_tokens == len(expected["token_ids"])
