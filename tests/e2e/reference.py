@@ -1,7 +1,7 @@
 """Greedy outputs of one monolithic vLLM engine (no connector, no prefix caching): the
 reference the disaggregated path must match token for token.
 
-Usage: python tests/e2e/reference.py MODEL_DIR CASES_JSON OUT_JSON
+Usage: python tests/e2e/reference.py MODEL_DIR CASES_JSON OUT_JSON DTYPE
 CASES_JSON: a list of {"name", "max_tokens", and one of "text" | "token_ids" | "messages"}.
 OUT_JSON: {name: {"token_ids": [...], "text": str, "prompt_token_ids": [...]}}.
 """
@@ -14,16 +14,14 @@ import sys
 
 
 def main() -> None:
-    model, cases_path, out_path = sys.argv[1:4]
+    model, cases_path, out_path, dtype = sys.argv[1:5]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from pdserve.worker.engine import cpu_dtype
-
-    # The dtype the workers pick on this CPU (bf16 only with native kernels, else float32).
+    # The e2e cluster's dtype (tests/e2e/cases.py DTYPE).
     llm = LLM(
         model=model,
-        dtype=cpu_dtype()[0],
+        dtype=dtype,
         enforce_eager=True,
         gpu_memory_utilization=0.5,
         enable_prefix_caching=False,

@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 from pdserve.client import GatewayClient
+from tests.e2e.cases import DTYPE
 from tests.e2e.conftest import RealCluster
 from tests.helpers import model_dir, served_name
 
@@ -104,7 +105,14 @@ def api_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (tmp / "cases.json").write_text(json.dumps(CASES))
     script = Path(__file__).with_name("api_reference.py")
     subprocess.run(
-        [sys.executable, str(script), model_dir(), str(tmp / "cases.json"), str(tmp / "out.json")],
+        [
+            sys.executable,
+            str(script),
+            model_dir(),
+            str(tmp / "cases.json"),
+            str(tmp / "out.json"),
+            DTYPE,
+        ],
         check=True,
         timeout=600,
     )

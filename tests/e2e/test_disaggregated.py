@@ -18,16 +18,18 @@ import grpc
 import pytest
 
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.e2e.cases import BLOCK
+from tests.e2e.cases import BLOCK, DTYPE_BYTES
 from tests.e2e.conftest import RealCluster
 from tests.helpers import model_dir, served_name
 
 
 def bytes_per_block() -> int:
-    """KV bytes of one block over all layers, from the model's own configuration (bf16)."""
+    """KV bytes of one block over all layers, from the model's configuration and the e2e
+    cluster's dtype."""
     config = json.loads((Path(model_dir()) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    per_token = layers * 2 * heads * head_dim * DTYPE_BYTES
     return int(per_token * BLOCK)
 
 
