@@ -42,21 +42,20 @@ def reference(
     e2e_cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """Greedy outputs of one monolithic engine, computed before the cluster starts."""
-    tmp = tmp_path_factory.mktemp("reference")
-    (tmp / "cases.json").write_text(json.dumps(e2e_cases))
-    script = Path(__file__).with_name("reference.py")
-    subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            model_dir(),
-            str(tmp / "cases.json"),
-            str(tmp / "out.json"),
-            DTYPE,
-        ],
-        check=True,
-        timeout=STARTUP_TIMEOUT_S,
-    )
+    return run_reference("reference.py", e2e_cases, tmp_path_factory, STARTUP_TIMEOUT_S)
+
+
+def run_reference(
+    script: str, cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory,
+    timeout_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Run a reference script of this folder (one monolithic engine, the e2e DTYPE) on
+    ``cases``; returns its output JSON."""
+    tmp = tmp_path_factory.mktemp(Path(script).stem)
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    argv = [sys.executable, str(Path(__file__).with_name(script)), model_dir(),
+            str(tmp / "cases.json"), str(tmp / "out.json"), DTYPE]  # fmt: skip
+    subprocess.run(argv, check=True, timeout=timeout_s)
     return dict(json.loads((tmp / "out.json").read_text()))
 
 

@@ -22,8 +22,7 @@ import grpc
 import pytest
 
 from pdserve.client import GatewayClient
-from tests.e2e.cases import DTYPE
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import RealCluster, run_reference
 from tests.helpers import model_dir, served_name
 
 TEXT = "The capital of France is"
@@ -101,22 +100,7 @@ CASES: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="session")  # session: set up before the session's cluster
 def api_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("api_reference")
-    (tmp / "cases.json").write_text(json.dumps(CASES))
-    script = Path(__file__).with_name("api_reference.py")
-    subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            model_dir(),
-            str(tmp / "cases.json"),
-            str(tmp / "out.json"),
-            DTYPE,
-        ],
-        check=True,
-        timeout=600,
-    )
-    return dict(json.loads((tmp / "out.json").read_text()))
+    return run_reference("api_reference.py", CASES, tmp_path_factory, 600)
 
 
 def _openai(cluster: RealCluster) -> Any:
