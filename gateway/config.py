@@ -70,6 +70,47 @@ class GatewaySettings(BaseSettings):
         description="prefill worker failing: 'local' lets the decode worker compute the prompt, "
         "'fail' answers 503",
     )
+    prefill_retries: int = Field(
+        default=1,
+        ge=0,
+        description="a failed Prefill is tried again on this many other prefill workers "
+        "(with backoff) before prefill_failure_policy applies",
+    )
+    decode_retries: int = Field(
+        default=1,
+        ge=0,
+        description="a decode worker failing before the first token: the request is tried "
+        "again on this many other decode workers, with the same (still leased) KV hand-off",
+    )
+    max_migrations: int = Field(
+        default=2,
+        ge=0,
+        description="a decode worker failing or hanging mid-stream: the request continues on "
+        "another decode worker (prompt + tokens so far re-prefilled) at most this many times",
+    )
+    inter_token_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a decode stream that sends no token for this long after its first is "
+        "hung: it migrates, or ends with 504 when it cannot",
+    )
+    retry_backoff_s: float = Field(
+        default=0.2,
+        ge=0,
+        description="wait before the first retry of a failed call; doubles per retry",
+    )
+    eject_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a worker that failed a request is skipped at least this long (doubling "
+        "while it keeps failing, at most 60 s), then probed back in by its health check",
+    )
+    stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a worker whose engine has requests but takes no step for this long is "
+        "hung: ejected until its engine moves again",
+    )
     default_max_tokens: int = Field(
         default=0,
         ge=0,

@@ -58,6 +58,13 @@ class WorkerFailed(GatewayError):
         self.reason = reason
 
 
+class WorkerTimedOut(WorkerFailed):
+    """A worker stopped answering in time: no token within ``inter_token_timeout_s``, or a
+    prefill past its deadline with no other way left (HTTP 504, gRPC DEADLINE_EXCEEDED)."""
+
+    code = "worker_timeout"
+
+
 class Unauthenticated(GatewayError):
     """No or a wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
 

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from gateway.errors import GatewayError
-from gateway.generation import Event, Generation, Usage
+from gateway.events import Event, Usage
+from gateway.generation import Generation
 from gateway.service import GenerateRequest, GenerationService, Prompt
 
 

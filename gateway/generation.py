@@ -1,86 +1,49 @@
-"""One request's life after routing: prefill, KV hand-off, decode stream, clean-up.
+"""One request's life after routing: prefill, KV hand-off, decode stream, recovery, clean-up.
 
-``Generation.open`` runs the prefill (or falls back to the local path by the named policy) and
-waits for the decode worker's first chunk, so that every failure before the first token can
-still become a proper status code. ``events`` then yields ``TokenDelta``s and one final
-``Finish``. Whatever ends a generation early (client gone, worker failure, consumer stopping)
-sends ``Abort`` to every worker the request touched, from a background task: the caller may
-itself be under cancellation and must not await the network.
+``Generation.open`` runs the prefill and waits for the decode worker's first chunk, so that
+every failure before the first token can still become a proper status code. ``events`` then
+yields ``TokenDelta``s and one final ``Finish``. Worker failures are retried, fall back or
+migrate as the table in ``gateway.recovery`` says. Whatever ends a generation early (client
+gone, worker failure, consumer stopping) sends ``Abort`` to every worker the request touched,
+from a background task: the caller may itself be under cancellation and must not await the
+network.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from gateway.config import GatewaySettings
-from gateway.errors import (
-    GatewayError,
-    InvalidRequest,
-    NoWorkerAvailable,
-    Overloaded,
-    WorkerFailed,
+from gateway.decode_stream import DecodeStream
+from gateway.errors import GatewayError, InvalidRequest, WorkerFailed, WorkerTimedOut
+from gateway.events import (
+    PATH_DISAGGREGATED,
+    PATH_LOCAL,
+    Event,
+    Finish,
+    TokenDelta,
+    Usage,
+    outcome_for,
 )
 from gateway.metrics import GatewayMetrics
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool
+from gateway.recovery import Phase, alternative, backoff_s, continuation, migratable
 from gateway.routing import Route
 from pdserve.grpc_client import RpcCallError
 from protos.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-PATH_DISAGGREGATED = "disaggregated"
-PATH_LOCAL = "local"
 LOCAL_PREFILL = "local"
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # a worker's x-pdserve-error reason
 
 
-@dataclass(frozen=True)
-class TokenDelta:
-    """Newly generated tokens and their text (text may be empty while a character is partial);
-    ``logprobs`` one per token when the request asked for them."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The last event of a generation."""
-
-    finish_reason: str  # "stop", "length" or "abort"
-    stop_reason: str  # the stop string or token that ended generation, if any
-    usage: Usage
-    path: str  # PATH_DISAGGREGATED or PATH_LOCAL
-    prefill_worker: str  # address, or "local"
-    decode_worker: str
-    transfer: common_pb2.TransferStats
-
-
-Event = TokenDelta | Finish
 AnyWorker = PrefillWorker | DecodeWorker
 AbortFn = Callable[[Sequence[AnyWorker], str], None]
-
-
-def outcome_for(err: GatewayError) -> str:
-    """The metrics ``outcome`` label of a failed request."""
-    if isinstance(err, WorkerFailed):
-        return "error"
-    if isinstance(err, NoWorkerAvailable):
-        return "unavailable"
-    if isinstance(err, Overloaded):
-        return "overloaded"
-    return "invalid"
 
 
 class Generation:
@@ -100,13 +63,14 @@ class Generation:
         on_end: Callable[[], None] | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the first attempt's id; retries get fresh ones
         self.endpoint = endpoint
         self.token_ids = list(token_ids)
         self.params = params
         self.decode = route.decode
         self.prefill = route.prefill
         self.path = PATH_DISAGGREGATED if route.prefill else PATH_LOCAL
+        self.phase = Phase.ADMITTED
         self._received_at = received_at
         self._settings = settings
         self._pool = pool
@@ -118,21 +82,32 @@ class Generation:
             self._timeout_s = max(0.001, min(self._timeout_s, deadline_s))
         # Prompt logprobs (entry i: prompt token i+1), when params.prompt_logprobs is set.
         self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
-        self._touched: list[AnyWorker] = []
-        self._stream: AsyncGenerator[worker_pb2.DecodeChunk, None] | None = None
+        # (worker, internal id) of every call not yet known to be over: aborted at the end.
+        self._calls: list[tuple[AnyWorker, str]] = []
+        self._stream: DecodeStream | None = None
         self._first: worker_pb2.DecodeChunk | None = None
         self._last_token_at: float | None = None
-        self._completion_tokens = 0
+        self._generated: list[int] = []
+        self._migrations = 0
         self._done = False
         self._predicted = route.predicted_cached_tokens
-        self._held: list[AnyWorker] = [w for w in (route.prefill, route.decode) if w is not None]
-        for worker in self._held:
-            worker.in_flight += 1
+        self._held: list[AnyWorker] = []
+        for worker in (route.prefill, route.decode):
+            if worker is not None:
+                self._hold(worker)
+
+    def _hold(self, worker: AnyWorker) -> None:
+        worker.in_flight += 1
+        self._held.append(worker)
+
+    def _unhold(self, worker: AnyWorker) -> None:
+        if worker in self._held:
+            worker.in_flight -= 1
+            self._held.remove(worker)
 
     def _release_workers(self) -> None:
-        for worker in self._held:
-            worker.in_flight -= 1
-        self._held = []
+        for worker in list(self._held):
+            self._unhold(worker)
         if self._on_end is not None:
             on_end, self._on_end = self._on_end, None
             on_end()
@@ -148,44 +123,92 @@ class Generation:
 
     async def open(self) -> None:
         """Prefill, start the decode stream and wait for its first chunk."""
-        handoff = await self._prefill()
-        try:
-            await self._start_decode(handoff)
-        except WorkerFailed as err:
-            local_ok = self._settings.prefill_failure_policy == "local"
-            if handoff is None or err.reason != KV_TRANSFER_FAILED or not local_ok:
-                raise
-            log.warning(
-                "request %s: %s; the decode worker computes the prompt (policy 'local')",
-                self.request_id,
-                err.message,
-            )
-            self._fall_back(KV_TRANSFER_FAILED)
-            await self._start_decode(None)
-
-    async def _start_decode(self, handoff: worker_pb2.KvTransferParams | None) -> None:
-        if self.decode not in self._touched:
-            self._touched.append(self.decode)
-        self._stream = self.decode.client.decode(
-            self.request_id,
-            self.token_ids,
-            self.params,
-            handoff,
-            timeout=self._timeout_s,
-        )
-        self._first = await self._next_chunk()
+        await self._run(self.token_ids, self.params, self.request_id)
         if self._first is not None:
             self.prompt_logprobs = list(self._first.prompt_logprobs)
 
-    async def _prefill(self) -> worker_pb2.KvTransferParams | None:
-        worker = self.prefill
-        if worker is None:
-            return None
-        self._touched.append(worker)
+    async def _run(self, prompt: list[int], params: common_pb2.SamplingParams, rid: str) -> None:
+        """One pass through the states: prefill (with retries) and the first decode chunk."""
+        handoff = await self._prefill(prompt, params, rid)
+        await self._open_decode(prompt, params, handoff, rid)
+
+    def _call(self, worker: AnyWorker, rid: str) -> None:
+        self._calls.append((worker, rid))
+
+    def _cancel_call(self, worker: AnyWorker, rid: str) -> None:
+        """Abort one failed call now (its worker may still hold the request's state)."""
+        if (worker, rid) in self._calls:
+            self._calls.remove((worker, rid))
+            self._abort([worker], rid)
+
+    async def _prefill(
+        self, prompt: list[int], params: common_pb2.SamplingParams, rid: str
+    ) -> worker_pb2.KvTransferParams | None:
+        """The hand-off of ``prompt``: tried on up to ``prefill_retries`` other prefill workers,
+        then ``prefill_failure_policy`` (None: the decode worker computes the prompt)."""
+        tried: list[PrefillWorker] = []
+        while self.prefill is not None:
+            self.phase = Phase.PREFILLING
+            worker = self.prefill
+            self._call(worker, rid)
+            try:
+                response = await self._prefill_call(worker, prompt, params, rid)
+            except RpcCallError as err:
+                if err.caller_error:
+                    raise InvalidRequest(
+                        f"the prefill worker rejected the request: {err.details}"
+                    ) from err
+                self._cancel_call(worker, rid)
+                if err.unreachable and not err.reason:
+                    self._pool.mark_failed(worker, str(err))
+                tried.append(worker)
+                await self._next_prefill(tried, err)
+                rid = new_attempt_id()
+                continue
+            if not response.HasField("kv_transfer_params"):
+                log.warning(
+                    "request %s: prefill worker %s returned no kv_transfer_params; the "
+                    "decode worker computes the prompt", rid, worker.address,
+                )  # fmt: skip
+                self._fall_back("no_handoff")
+                return None
+            self._pool.mark_ok(worker)
+            self.phase = Phase.KV_STAGED
+            return response.kv_transfer_params
+        return None
+
+    async def _next_prefill(self, tried: list[PrefillWorker], err: RpcCallError) -> None:
+        """Move to another prefill worker after a backoff, or apply the failure policy."""
+        retries = len(tried)
+        nxt = None
+        if retries <= self._settings.prefill_retries:
+            nxt = alternative(
+                self._pool.healthy_prefill(), tried, lambda w: w.load(),
+                lambda w: self._pool.compatible(w, self.decode),
+            )  # fmt: skip
+        failed = tried[-1]
+        if nxt is None:
+            self._prefill_exhausted(failed, err)
+            return
+        log.warning("request %s: %s; retrying on prefill worker %s", self.request_id, err,
+                    nxt.address)  # fmt: skip
+        self._metrics.retries.labels("prefill").inc()
+        await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, retries))
+        self._unhold(failed)
+        self._hold(nxt)
+        self.prefill = nxt
+
+    async def _prefill_call(
+        self,
+        worker: PrefillWorker,
+        prompt: list[int],
+        params: common_pb2.SamplingParams,
+        rid: str,
+    ) -> worker_pb2.PrefillResponse:
         started = time.monotonic()
         # The deadline follows the worker's queue and the prompt: a prefill that is merely
         # queued never times out into a second computation of the same prompt.
-        tokens = len(self.token_ids) - (self._predicted or 0)
+        tokens = len(prompt) - (self._predicted or 0)
         s = self._settings
         deadline = worker.pace.deadline_s(tokens, s.prefill_timeout_s, s.prefill_deadline_slack)
         self._metrics.prefill_deadline_seconds.observe(deadline)
@@ -193,37 +216,22 @@ class Generation:
         ok = False
         try:
             response = await worker.client.prefill(
-                self.request_id, self.token_ids, self.params, timeout=min(deadline, self._timeout_s)
+                rid, prompt, params, timeout=min(deadline, self._timeout_s)
             )
             ok = True
-        except RpcCallError as err:
-            self._prefill_failed(worker, err)
-            return None
         finally:
             worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)
         self._metrics.prefill_seconds.observe(time.monotonic() - started)
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)
             self._predicted = None
-        if not response.HasField("kv_transfer_params"):
-            log.warning(
-                "request %s: prefill worker %s returned no kv_transfer_params; the "
-                "decode worker computes the prompt",
-                self.request_id,
-                worker.address,
-            )
-            self._fall_back("no_handoff")
-            return None
-        return response.kv_transfer_params
+        return response
 
-    def _prefill_failed(self, worker: PrefillWorker, err: RpcCallError) -> None:
+    def _prefill_exhausted(self, worker: PrefillWorker, err: RpcCallError) -> None:
         """Named policy ``prefill_failure_policy``: "local" falls back, "fail" raises."""
-        if err.caller_error:
-            raise InvalidRequest(f"the prefill worker rejected the request: {err.details}") from err
-        if err.code == "UNAVAILABLE" and not err.reason:
-            self._pool.mark_failed(worker, str(err))
         if self._settings.prefill_failure_policy == "fail":
-            raise WorkerFailed(
+            kind = WorkerTimedOut if err.code == "DEADLINE_EXCEEDED" else WorkerFailed
+            raise kind(
                 f"prefill worker {worker.address} failed: {err.code}", worker=worker.address
             ) from err
         log.warning(
@@ -235,32 +243,161 @@ class Generation:
 
     def _fall_back(self, reason: str) -> None:
         """Continue on the local path; the prefill worker is told to free what it holds."""
-        if self.prefill is not None and self.prefill in self._touched:
-            self._abort([self.prefill], self.request_id)
-            self._touched.remove(self.prefill)
+        if self.prefill is not None:
+            for worker, rid in [c for c in self._calls if c[0] is self.prefill]:
+                self._cancel_call(worker, rid)
+            self._unhold(self.prefill)
         self.prefill = None
         self.path = PATH_LOCAL
         self._predicted = None  # the prediction was for the prefill worker's cache
         self._metrics.fallbacks.labels(reason).inc()
 
-    async def _next_chunk(self) -> worker_pb2.DecodeChunk | None:
+    async def _open_decode(
+        self,
+        prompt: list[int],
+        params: common_pb2.SamplingParams,
+        handoff: worker_pb2.KvTransferParams | None,
+        rid: str,
+    ) -> None:
+        """Start the decode stream and read its first chunk: on another decode worker (same
+        hand-off) after a failure, up to ``decode_retries`` times; a hand-off that can no
+        longer be pulled falls back to the local path (policy "local")."""
+        tried: list[DecodeWorker] = []
+        while True:
+            try:
+                await self._start_decode(prompt, params, handoff, rid)
+                return
+            except WorkerFailed as err:
+                self._cancel_call(self.decode, rid)
+                rid = new_attempt_id()
+                local_ok = self._settings.prefill_failure_policy == "local"
+                if handoff is not None and err.reason == KV_TRANSFER_FAILED:
+                    if not local_ok:
+                        raise
+                    log.warning("request %s: %s; the decode worker computes the prompt "
+                                "(policy 'local')", self.request_id, err.message)  # fmt: skip
+                    self._fall_back(KV_TRANSFER_FAILED)
+                    handoff = None
+                    continue
+                tried.append(self.decode)
+                self._next_decode(tried, err)
+                await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, len(tried)))
+
+    def _next_decode(self, tried: list[DecodeWorker], err: WorkerFailed) -> None:
+        nxt = None
+        if len(tried) <= self._settings.decode_retries:
+            nxt = alternative(
+                self._pool.healthy_decode(), tried, lambda w: w.load(),
+                lambda w: self.prefill is None or self._pool.compatible(self.prefill, w),
+            )  # fmt: skip
+        if nxt is None:
+            raise err
+        log.warning("request %s: %s; retrying on decode worker %s", self.request_id,
+                    err.message, nxt.address)  # fmt: skip
+        self._metrics.retries.labels("decode").inc()
+        self._unhold(self.decode)
+        self._hold(nxt)
+        self.decode = nxt
+
+    async def _start_decode(
+        self,
+        prompt: list[int],
+        params: common_pb2.SamplingParams,
+        handoff: worker_pb2.KvTransferParams | None,
+        rid: str,
+    ) -> None:
+        self._call(self.decode, rid)
+        call = self.decode.client.decode(rid, prompt, params, handoff, timeout=self._timeout_s)
+        self._stream = DecodeStream(self.decode, rid, call, self._pool)
+        try:
+            self._first = await self._stream.next(None)
+        except BaseException:
+            await self._close_stream()
+            raise
+        if self._first is None:
+            raise WorkerFailed(
+                f"decode worker {self.decode.address} ended the stream without a token",
+                worker=self.decode.address,
+            )
+        self.phase = Phase.DECODING
+
+    async def _close_stream(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()
+
+    async def _following(self) -> worker_pb2.DecodeChunk:
+        """The stream's next chunk; a failing or silent decode worker is migrated from."""
         assert self._stream is not None
         try:
-            return await anext(self._stream)
-        except StopAsyncIteration:
-            return None
-        except RpcCallError as err:
-            if err.code == "UNAVAILABLE" and not err.reason:
-                self._pool.mark_failed(self.decode, str(err))
-            if err.caller_error:
-                raise InvalidRequest(
-                    f"the decode worker rejected the request: {err.details}"
-                ) from err
-            raise WorkerFailed(
-                f"decode worker {self.decode.address} failed: {err.code}: {err.details}",
-                worker=self.decode.address,
-                reason=err.reason,
-            ) from err
+            chunk = await self._stream.next(self._settings.inter_token_timeout_s)
+            if chunk is None:
+                raise WorkerFailed(
+                    f"decode worker {self.decode.address} ended the stream without a finish reason",
+                    worker=self.decode.address,
+                )
+            return chunk
+        except InvalidRequest:
+            raise
+        except WorkerFailed as err:
+            return await self._migrate(err)
+
+    async def _migrate(self, err: WorkerFailed) -> worker_pb2.DecodeChunk:
+        """Continue the generation on another decode worker: the prompt and the tokens so far
+        are prefilled again (through a prefill worker when one is healthy) and decoding goes
+        on from there. Raises ``err`` when the request cannot move."""
+        why = migratable(self.params)
+        if why or self._migrations >= self._settings.max_migrations:
+            if why:
+                log.warning("request %s: %s; %s", self.request_id, err.message, why)
+            raise err
+        failed = self.decode
+        await self._close_stream()
+        for worker, rid in [c for c in self._calls if c[0] is failed]:
+            self._cancel_call(worker, rid)
+        if self.params.max_tokens and len(self._generated) >= self.params.max_tokens:
+            # Every token arrived; only the final chunk was lost.
+            return worker_pb2.DecodeChunk(finish_reason="length")
+        tried: list[DecodeWorker] = [failed]
+        while True:
+            self._migrations += 1
+            nxt = alternative(self._pool.healthy_decode(), tried, lambda w: w.load())
+            if nxt is None:
+                raise err
+            self._metrics.retries.labels("migration").inc()
+            log.warning("request %s: %s; continuing on decode worker %s after %d tokens "
+                        "(migration %d)", self.request_id, err.message, nxt.address,
+                        len(self._generated), self._migrations)  # fmt: skip
+            self._unhold(self.decode)
+            self._hold(nxt)
+            self.decode = nxt
+            self._pick_prefill(nxt)
+            prompt = self.token_ids + self._generated
+            params = continuation(self.params, len(self._generated))
+            params.ClearField("prompt_logprobs")  # the client has them already
+            try:
+                await self._run(prompt, params, new_attempt_id())
+            except WorkerFailed as again:
+                if self._migrations >= self._settings.max_migrations:
+                    raise
+                err = again
+                tried.append(nxt)
+                continue
+            assert self._first is not None
+            return self._first
+
+    def _pick_prefill(self, decode: DecodeWorker) -> None:
+        """The prefill worker of a migrated request: the least loaded compatible healthy one
+        (None: the decode worker computes the prompt and tokens so far itself)."""
+        if self.prefill is not None:
+            self._unhold(self.prefill)
+        self.prefill = alternative(
+            self._pool.healthy_prefill(), (), lambda w: w.load(),
+            lambda w: self._pool.compatible(w, decode),
+        )  # fmt: skip
+        if self.prefill is not None:
+            self._hold(self.prefill)
+        self._predicted = None
 
     async def events(self) -> AsyncIterator[Event]:
         """Token deltas, then one ``Finish``; raises ``GatewayError`` on a worker failure."""
@@ -274,19 +411,14 @@ class Generation:
                     finish = await self._finish(chunk)
                     yield finish
                     return
-                chunk = await self._next_chunk()
-            raise WorkerFailed(
-                f"decode worker {self.decode.address} ended the stream without a finish reason",
-                worker=self.decode.address,
-            )
+                chunk = await self._following()
         except GatewayError as err:
             self.abandon(outcome_for(err))
             raise
         finally:
             # Client gone (CancelledError) or consumer stopped early (GeneratorExit).
             self.abandon("cancelled")
-            if self._stream is not None:
-                await self._stream.aclose()  # cancels the RPC if still open; never suspends
+            await self._close_stream()  # cancels the RPC if still open; never suspends
 
     def _on_tokens(self, chunk: worker_pb2.DecodeChunk) -> TokenDelta | None:
         count = len(chunk.token_ids)
@@ -301,7 +433,7 @@ class Generation:
                 for _ in range(count):
                     self._metrics.itl.labels(self.path).observe(per_token)
             self._last_token_at = now
-            self._completion_tokens += count
+            self._generated.extend(chunk.token_ids)
         return TokenDelta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs))
 
     async def _finish(self, chunk: worker_pb2.DecodeChunk) -> Finish:
@@ -309,9 +441,10 @@ class Generation:
             raise WorkerFailed(
                 f"decode worker {self.decode.address} reported an error", worker=self.decode.address
             )
-        trailing = await self._next_chunk()  # read the status so the RPC ends cleanly
-        if trailing is not None:
-            log.warning("request %s: decode worker sent chunks after the finish", self.request_id)
+        if self._stream is not None:
+            trailing = await self._stream.next(None)  # read the status: the RPC ends cleanly
+            if trailing is not None:
+                log.warning("request %s: chunks after the finish", self.request_id)
         usage = chunk.usage
         transfer = common_pb2.TransferStats()
         transfer.CopyFrom(chunk.transfer)
@@ -319,6 +452,8 @@ class Generation:
         if transfer.kv_blocks_received:
             self._metrics.kv_seconds.observe(transfer.kv_transfer_seconds)
         self._done = True
+        self._calls.clear()  # every call ended normally
+        self._pool.mark_ok(self.decode)
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
         if self._predicted is not None:  # local path: the decode worker's cache
@@ -327,8 +462,8 @@ class Generation:
             finish_reason=chunk.finish_reason,
             stop_reason=chunk.stop_reason,
             usage=Usage(
-                prompt_tokens=usage.prompt_tokens or len(self.token_ids),
-                completion_tokens=usage.completion_tokens or self._completion_tokens,
+                prompt_tokens=len(self.token_ids),
+                completion_tokens=len(self._generated),
                 cached_tokens=usage.cached_tokens,
             ),
             path=self.path,
@@ -344,11 +479,16 @@ class Generation:
         self._done = True
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
-        if self._touched:
-            self._abort(list(self._touched), self.request_id)
+        calls, self._calls = self._calls, []
+        for worker, rid in calls:
+            self._abort([worker], rid)
 
     async def aclose(self) -> None:
         """For callers that stop before or without iterating ``events``."""
         self.abandon("cancelled")
-        if self._stream is not None:
-            await self._stream.aclose()
+        await self._close_stream()
+
+
+def new_attempt_id() -> str:
+    """A fresh internal id for a retried or migrated call (random, like the first)."""
+    return uuid.uuid4().hex

@@ -26,8 +26,9 @@ from gateway.errors import (
     Overloaded,
     Unauthenticated,
     WorkerFailed,
+    WorkerTimedOut,
 )
-from gateway.generation import Finish, TokenDelta
+from gateway.events import Finish, TokenDelta
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
 from pdserve.grpc_client import REQUEST_ID_METADATA
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
@@ -43,6 +44,7 @@ _CODES: list[tuple[type[GatewayError], grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WorkerTimedOut, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NoWorkerAvailable, grpc.StatusCode.UNAVAILABLE),
     (WorkerFailed, grpc.StatusCode.UNAVAILABLE),
 ]

@@ -17,6 +17,7 @@ from gateway.errors import (
     Overloaded,
     Unauthenticated,
     WorkerFailed,
+    WorkerTimedOut,
 )
 
 _STATUS: list[tuple[type[GatewayError], int, str]] = [
@@ -25,6 +26,7 @@ _STATUS: list[tuple[type[GatewayError], int, str]] = [
     (Unauthenticated, 401, "authentication_error"),
     (Overloaded, 429, "rate_limit_error"),
     (DeadlineExceeded, 504, "timeout_error"),
+    (WorkerTimedOut, 504, "timeout_error"),
     (NoWorkerAvailable, 503, "service_unavailable_error"),
     (WorkerFailed, 503, "service_unavailable_error"),
 ]
@@ -71,4 +73,5 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: _described("unknown model"),
     429: _described("the gateway is saturated; retry after Retry-After seconds"),
     503: _described("no healthy worker can take the request, or a worker failed"),
+    504: _described("a worker stopped answering in time (inter-token or prefill timeout)"),
 }

@@ -3,7 +3,7 @@
 Label values: ``endpoint`` is "completions", "chat_completions" or "grpc_generate"; ``path``
 is "disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the
 prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok", "invalid", "overloaded",
-"unavailable", "error" or "cancelled".
+"unavailable", "error", "timeout" (a worker stopped answering: 504) or "cancelled".
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ class GatewayMetrics:
             "pdserve_gateway_prefill_deadline_seconds",
             "Deadline given to a Prefill call (grows with the worker's queue and the prompt).",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_gateway_retries",
+            "Recoveries from a worker failure, by kind: prefill (another prefill worker), "
+            "decode (another decode worker before the first token, same KV hand-off), "
+            "migration (mid-stream, to another decode worker).",
+            ["kind"],
             registry=r,
         )
         self.rejected = Counter(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.generation import Finish, Usage
+from gateway.events import Finish, Usage
 from gateway.service import ModelInfo
 
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from gateway import openai_format as fmt
 from gateway.errors import GatewayError, WorkerFailed
+from gateway.events import Finish, TokenDelta, Usage
 from gateway.fanout import ChoiceSpec, merged, total_usage
-from gateway.generation import Finish, Generation, TokenDelta, Usage
+from gateway.generation import Generation
 from gateway.http_errors import status_and_type
 from gateway.openai_logprobs import LogprobFormatter
 from gateway.service import GenerationService

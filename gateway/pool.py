@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -27,6 +28,7 @@ from protos.v1 import worker_pb2
 log = logging.getLogger(__name__)
 
 C = TypeVar("C", PrefillClient, DecodeClient)
+MAX_EJECT_S = 60.0
 
 
 @dataclass(eq=False)
@@ -44,6 +46,10 @@ class Worker(Generic[C]):
     in_flight: int = 0  # this gateway's requests on the worker now
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
     pace: PrefillPace = field(default_factory=PrefillPace)  # prefill workers: queue and rate
+    # Set while the worker is not routable: requests streaming from it move elsewhere at once.
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    ejected_until: float = 0.0  # circuit breaker: no health probe before this (monotonic)
+    ejections: int = 0  # consecutive ejections (each doubles the wait); 0 after a success
 
     @property
     def role_name(self) -> str:
@@ -164,6 +170,8 @@ class WorkerPool:
         self._notify()
 
     async def _refresh_one(self, worker: PrefillWorker | DecodeWorker) -> None:
+        if time.monotonic() < worker.ejected_until:
+            return  # ejected: the breaker is open; the first refresh after it is the probe
         try:
             caps = await worker.client.capabilities()
         except RpcCallError as err:
@@ -206,6 +214,10 @@ class WorkerPool:
             log.warning("%s worker %s is unhealthy: %s", worker.role_name, worker.address, why)
         worker.healthy = healthy
         worker.last_error = why
+        if healthy:
+            worker.down.clear()
+        else:
+            worker.down.set()
 
     async def reconcile(self, records: Sequence[WorkerRecord], keep_missing: bool = False) -> None:
         """Match the discovered workers to the registry's live ones: add new, drop gone.
@@ -277,9 +289,19 @@ class WorkerPool:
         task.add_done_callback(self._closing.discard)
 
     def mark_failed(self, worker: PrefillWorker | DecodeWorker, why: str) -> None:
-        """Skip ``worker`` until the next successful capabilities refresh."""
-        self._set_health(worker, False, why)
+        """Circuit breaker: eject ``worker`` (requests streaming from it move elsewhere) for
+        ``eject_s``, doubled per consecutive ejection up to ``MAX_EJECT_S``; the first health
+        refresh after that probes it back in."""
+        wait = min(MAX_EJECT_S, self.settings.eject_s * 2**worker.ejections)
+        worker.ejections += 1
+        worker.ejected_until = time.monotonic() + wait
+        self._set_health(worker, False, f"{why} (ejected for {wait:.0f} s)")
         self._notify()
+
+    @staticmethod
+    def mark_ok(worker: PrefillWorker | DecodeWorker) -> None:
+        """A request succeeded on ``worker``: the breaker's doubling starts over."""
+        worker.ejections = 0
 
     def _check_compat(self) -> None:
         for p in self.prefill:

@@ -30,7 +30,8 @@ from gateway.errors import (
     NoWorkerAvailable,
     Overloaded,
 )
-from gateway.generation import AnyWorker, Event, Generation, outcome_for
+from gateway.events import Event, outcome_for
+from gateway.generation import AnyWorker, Generation
 from gateway.interfaces import Picker, PromptTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Offload

@@ -139,7 +139,14 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
-    """Streams ``pieces`` one token per chunk, the finish on the last token's chunk."""
+    """Streams ``pieces`` one token per chunk, the finish on the last token's chunk.
+
+    ``positional``: like a greedy model, the i-th token after a prompt of length L is
+    ``pieces[(L + i) % len(pieces)]`` and a request generates exactly ``max_tokens``, so a
+    continuation from the prompt plus the tokens so far goes on where the first stream was.
+    ``fail_after`` / ``hang_after``: after that many tokens the stream fails (UNAVAILABLE, as
+    a dying worker's) or goes silent (a hung worker's) — on this fake's first request only when
+    ``once`` is set."""
 
     def __init__(
         self,
@@ -148,7 +155,15 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         max_model_len: int = 2048,
         tokens: list[tuple[int, str]] | None = None,
         record: bool = True,
+        positional: bool = False,
+        fail_after: int | None = None,
+        hang_after: int | None = None,
+        once: bool = False,
     ) -> None:
+        self.positional = positional
+        self.fail_after = fail_after
+        self.hang_after = hang_after
+        self.once = once
         self.seen: Recorder[worker_pb2.DecodeRequest] = Recorder(keep=record)
         self.pieces = list(tokens or DEFAULT_PIECES)
         self.delay_s = delay_s
@@ -190,22 +205,36 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                 self.cancelled.set()
 
         context.add_done_callback(on_done)
-        limit = request.params.max_tokens or len(self.pieces)
-        pieces = self.pieces[:limit]
+        pieces = self._script(request)
+        fail_after, hang_after = self.fail_after, self.hang_after
+        if self.once:
+            self.fail_after = self.hang_after = None
         try:
             for i, (token_id, text) in enumerate(pieces):
+                if i == fail_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted worker death")
+                if i == hang_after:
+                    await asyncio.Event().wait()  # until cancelled
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 chunk = worker_pb2.DecodeChunk(token_ids=[token_id], text=text)
                 _add_logprobs(chunk, request, token_id, first=i == 0)
                 if i == len(pieces) - 1:
                     chunk.MergeFrom(self._final(request, len(pieces)))
-                    chunk.finish_reason = "stop" if len(pieces) == len(self.pieces) else "length"
+                    full = len(pieces) == len(self.pieces) and not self.positional
+                    chunk.finish_reason = "stop" if full else "length"
                 yield chunk
             finished = True
         finally:
             if not finished:
                 self.cancelled.set()
+
+    def _script(self, request: worker_pb2.DecodeRequest) -> list[tuple[int, str]]:
+        limit = request.params.max_tokens or len(self.pieces)
+        if not self.positional:
+            return self.pieces[:limit]
+        start = len(request.prompt_token_ids)
+        return [self.pieces[(start + i) % len(self.pieces)] for i in range(limit)]
 
     async def Abort(self, request, context):  # type: ignore[no-untyped-def]
         return self.seen.abort(request.request_id)
