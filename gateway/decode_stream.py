@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 from gateway.errors import InvalidRequest, WorkerFailed, WorkerTimedOut
-from gateway.pool import DecodeWorker, WorkerPool
+from gateway.pool import DecodeWorker, WorkerPool, unless_down
 from pdserve.grpc_client import RpcCallError
 from protos.v1 import worker_pb2
 
@@ -31,18 +31,12 @@ class DecodeStream:
         self.request_id = request_id
         self._stream = stream
         self._pool = pool
-        self._down = asyncio.ensure_future(worker.down.wait())
+        self._down: asyncio.Future[object] = asyncio.ensure_future(worker.down.wait())
 
     async def next(self, timeout_s: float | None) -> worker_pb2.DecodeChunk | None:
         """The next chunk, None when the stream ended; ``timeout_s`` None: no limit."""
         step = asyncio.ensure_future(anext(self._stream))
-        try:
-            await asyncio.wait({step, self._down}, timeout=timeout_s, return_when="FIRST_COMPLETED")
-        finally:
-            if not step.done():  # ejected, timed out, or our caller cancelled
-                step.cancel()
-                await asyncio.wait({step})  # the stream is not running when it is closed
-        if not step.cancelled():
+        if await unless_down(self.worker, step, timeout_s, self._down):
             return self._result(step)
         address = self.worker.address
         if self._down.done():

@@ -30,7 +30,7 @@ from gateway.events import (
     outcome_for,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool
+from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool, unless_down
 from gateway.recovery import Phase, alternative, backoff_s, continuation, migratable
 from gateway.routing import Route
 from pdserve.grpc_client import RpcCallError
@@ -215,9 +215,13 @@ class Generation:
         ahead = worker.pace.sent(tokens)
         ok = False
         try:
-            response = await worker.client.prefill(
-                rid, prompt, params, timeout=min(deadline, self._timeout_s)
+            call = asyncio.ensure_future(
+                worker.client.prefill(rid, prompt, params, timeout=min(deadline, self._timeout_s))
             )
+            if not await unless_down(worker, call):  # ejected meanwhile: dead or hung
+                raise RpcCallError(worker.address, "Prefill", "UNAVAILABLE",
+                                   f"ejected: {worker.last_error}", reason="ejected")  # fmt: skip
+            response = call.result()
             ok = True
         finally:
             worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)

@@ -28,6 +28,7 @@ from protos.v1 import worker_pb2
 log = logging.getLogger(__name__)
 
 C = TypeVar("C", PrefillClient, DecodeClient)
+T = TypeVar("T")
 MAX_EJECT_S = 60.0
 
 
@@ -76,6 +77,27 @@ class Worker(Generic[C]):
 
 PrefillWorker = Worker[PrefillClient]
 DecodeWorker = Worker[DecodeClient]
+
+
+async def unless_down(
+    worker: PrefillWorker | DecodeWorker,
+    step: asyncio.Future[T],
+    timeout_s: float | None = None,
+    down: asyncio.Future[object] | None = None,
+) -> bool:
+    """Wait for ``step`` until the worker is ejected (``down``) or ``timeout_s`` passes; True
+    when ``step`` finished, else it is cancelled and waited for. ``down``: a waiter on
+    ``worker.down`` to reuse across calls (else one is made for this call)."""
+    watcher = down if down is not None else asyncio.ensure_future(worker.down.wait())
+    try:
+        await asyncio.wait({step, watcher}, timeout=timeout_s, return_when="FIRST_COMPLETED")
+    finally:
+        if down is None:
+            watcher.cancel()
+        if not step.done():  # ejected, timed out, or our caller cancelled
+            step.cancel()
+            await asyncio.wait({step})  # what it held (a stream) is released before we go on
+    return not step.cancelled()
 
 
 def identity_mismatch(

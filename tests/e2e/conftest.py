@@ -26,7 +26,8 @@ STARTUP_TIMEOUT_S = 600
 START_ATTEMPTS = 3  # fresh ports after a start that lost one of its ports to another process
 # What pdserve up and its children say when a port they were given is taken.
 PORT_TAKEN = re.compile(r"in use|cannot serve gRPC|cannot bind|EADDRINUSE")
-PREFILL_WORKERS = 2  # two prefill workers and one decode worker, as issue 4's routing needs
+PREFILL_WORKERS = 2  # two of each: routing spreads chats over prefill workers, and the
+DECODE_WORKERS = 2  # fault tests kill one of a kind while the other carries on
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +65,7 @@ class RealCluster:
     http_port: int
     grpc_port: int
     log_dir: Path
+    ports: dict[str, int]  # first port of each kind: prefill-i serves on ports["prefill"] + i
 
     @property
     def base_url(self) -> str:
@@ -101,7 +103,8 @@ def _serving(port: int) -> bool:
 
 def _all_ready(ports: dict[str, int]) -> bool:
     """Every worker serving and the gateway seeing them all (no request goes local)."""
-    workers = [ports["prefill"] + i for i in range(PREFILL_WORKERS)] + [ports["decode"]]
+    workers = [ports["prefill"] + i for i in range(PREFILL_WORKERS)]
+    workers += [ports["decode"] + i for i in range(DECODE_WORKERS)]
     if not all(_serving(port) for port in workers):
         return False
     try:
@@ -111,7 +114,8 @@ def _all_ready(ports: dict[str, int]) -> bool:
     except (OSError, ValueError):
         return False
     return bool(
-        body["healthy_prefill_workers"] == PREFILL_WORKERS and body["healthy_decode_workers"] == 1
+        body["healthy_prefill_workers"] == PREFILL_WORKERS
+        and body["healthy_decode_workers"] == DECODE_WORKERS
     )
 
 
@@ -146,7 +150,7 @@ def _bindable(port: int) -> bool:
 def cluster(
     reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RealCluster]:
-    """2 prefill + 1 decode worker, a private Redis and the gateway, started by ``pdserve up``.
+    """2 prefill + 2 decode workers, a private Redis and the gateway, started by ``pdserve up``.
 
     Conditional disaggregation is off (threshold 0), so every request moves KV blocks."""
     log_root = tmp_path_factory.mktemp("logs")
@@ -162,19 +166,22 @@ def cluster(
     up.send_signal(signal.SIGTERM)
     code = up.wait(timeout=120)
     up_log.close()
-    all_ports = {**ports, "prefill-1": ports["prefill"] + 1, "kv-1": ports["kv"] + 1}
+    all_ports = {**ports, "prefill-1": ports["prefill"] + 1, "kv-1": ports["kv"] + 1,
+                 "decode-1": ports["decode"] + 1}  # fmt: skip
     leftover = [name for name, port in all_ports.items() if _port_open(port)]
     assert code == 0, f"pdserve up exited {code}"
     assert not leftover, f"ports still served after shutdown: {leftover}"
 
 
 def _start_up(log_dir: Path) -> tuple[dict[str, int], subprocess.Popen[bytes], Any, RealCluster]:
-    ports = {name: free_port() for name in ("http", "grpc", "decode")}
+    ports = {name: free_port() for name in ("http", "grpc")}
     ports["prefill"] = free_port_run(PREFILL_WORKERS)
+    ports["decode"] = free_port_run(DECODE_WORKERS)
     ports["kv"] = free_port_run(PREFILL_WORKERS)
     log_dir.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "pdserve", "up", "--prefill", str(PREFILL_WORKERS),
+        "--decode", str(DECODE_WORKERS),
         "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
         "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
         "--kv-port", str(ports["kv"]), "--log-dir", str(log_dir),
@@ -190,7 +197,7 @@ def _start_up(log_dir: Path) -> tuple[dict[str, int], subprocess.Popen[bytes], A
     }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
     up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)
-    return ports, up, up_log, RealCluster(ports["http"], ports["grpc"], log_dir)
+    return ports, up, up_log, RealCluster(ports["http"], ports["grpc"], log_dir, ports)
 
 
 def _wait_ready(
@@ -213,7 +220,15 @@ def _wait_ready(
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "fault: breaks a process of the shared e2e cluster (runs after the rest)"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.e2e)
+    # Fault tests break workers of the shared cluster (it heals, but slowly): they go last.
+    items.sort(key=lambda item: item.get_closest_marker("fault") is not None)

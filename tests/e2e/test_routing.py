@@ -1,4 +1,4 @@
-"""Cache-aware routing on the real stack (2 prefill workers, 1 decode worker, Redis).
+"""Cache-aware routing on the real stack (2 prefill workers, 2 decode workers, Redis).
 
 Multi-turn chats must keep going to the prefill worker that holds the conversation so far
 (its prefix cache then serves it), new conversations spread over both prefill workers, and

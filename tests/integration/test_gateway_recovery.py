@@ -188,3 +188,16 @@ async def test_worker_ejected_mid_stream_moves_its_requests_at_once() -> None:
         out, finish, _ = await asyncio.wait_for(task, 60)
     assert out == text(expected()) and finish == "length"
     assert len(healthy.seen.requests) == 1
+
+
+async def test_prefill_on_a_worker_ejected_meanwhile_moves_at_once() -> None:
+    stuck = FakePrefill(serve_s=600)  # a hung prefill engine: the call never returns
+    async with two_of_each(FakeDecode(positional=True), stuck) as (c, healthy_prefill, _):
+        task = asyncio.create_task(stream_text(c))
+        while not stuck.seen.requests:
+            await asyncio.sleep(0.01)
+        c.gateway.pool.mark_failed(c.gateway.pool.prefill[0], "scripted: health check failed")
+        out, finish, _ = await asyncio.wait_for(task, 60)
+        await asyncio.wait_for(stuck.seen.aborted.wait(), 10)
+    assert out == text(expected()) and finish == "length"
+    assert len(healthy_prefill.seen.requests) == 1

@@ -1,0 +1,217 @@
+"""Fault injection on the real cluster (2 prefill + 2 decode vLLM workers, Redis, gateway).
+
+Each test breaks one real process the way production does (``kill -9`` of its process group,
+``SIGSTOP``) while requests stream, and asserts what users see. ``pdserve up`` restarts a
+killed worker; each test waits until the cluster is whole again, so the tests share the one
+session cluster. They run after every other e2e test (``conftest`` orders them last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.e2e.conftest import DECODE_WORKERS, PREFILL_WORKERS, RealCluster
+from tests.helpers import served_name
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(2400)]
+
+RECOVERY_S = 600  # a killed worker's restart: a new vLLM engine on busy cores
+MAX_TOKENS = 24
+
+PROMPTS = [
+    "Write a short note about the history of lighthouses.",
+    "Explain how bees make honey, step by step.",
+    "Describe a walk through a rainy city at night.",
+    "List some reasons people enjoy railway travel.",
+]
+
+
+@dataclass
+class Stream:
+    """One streamed completion, read on a thread: its text so far, headers and ending."""
+
+    prompt: str
+    max_tokens: int = MAX_TOKENS
+    text: str = ""
+    tokens: int = 0
+    finish: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, base_url: str) -> None:
+        body = {
+            "model": served_name(), "prompt": self.prompt, "max_tokens": self.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        request = urllib.request.Request(
+            base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=RECOVERY_S) as response:
+                self.headers = {k.lower(): v for k, v in response.headers.items()}
+                for raw in response:
+                    self._on_line(raw.decode().strip())
+        except OSError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.done.set()
+
+    def _on_line(self, line: str) -> None:
+        if not line.startswith("data: {"):
+            return
+        event = json.loads(line[6:])
+        if "error" in event:
+            self.error = json.dumps(event["error"])
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                self.text += choice["text"]
+                self.tokens += 1
+            self.finish = choice.get("finish_reason") or self.finish
+        self.usage = event.get("usage") or self.usage
+
+
+def start_streams(cluster: RealCluster, prompts: list[str], max_tokens: int) -> list[Stream]:
+    streams = [Stream(p, max_tokens) for p in prompts]
+    for s in streams:
+        threading.Thread(target=s.run, args=(cluster.base_url,), daemon=True).start()
+    return streams
+
+
+def wait_all(streams: list[Stream], timeout_s: float = RECOVERY_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    for s in streams:
+        assert s.done.wait(max(0.0, deadline - time.monotonic())), "a stream never ended"
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.2)
+
+
+def health(cluster: RealCluster) -> dict[str, Any]:
+    with urllib.request.urlopen(cluster.base_url + "/health", timeout=10) as response:
+        return dict(json.loads(response.read()))
+
+
+def whole(cluster: RealCluster) -> bool:
+    try:
+        h = health(cluster)
+    except OSError:
+        return False
+    return bool(
+        h["healthy_prefill_workers"] == PREFILL_WORKERS
+        and h["healthy_decode_workers"] == DECODE_WORKERS
+    )
+
+
+def metric_sum(cluster: RealCluster, name: str, label: str = "") -> float:
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name) and label in line
+    )
+
+
+def group_on_port(port: int) -> int:
+    """The process group of the worker listening on ``port`` (its engine is in it too)."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return os.getpgid(conn.pid)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def reference_texts(cluster: RealCluster, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy outputs of an uninterrupted run through the same cluster."""
+    streams = start_streams(cluster, prompts, max_tokens)
+    wait_all(streams)
+    assert all(s.finish == "length" and not s.error for s in streams), streams
+    return [s.text for s in streams]
+
+
+@contextmanager
+def restored(cluster: RealCluster) -> Iterator[None]:
+    """After the test, wait until ``pdserve up`` has every worker back (later tests need
+    the whole cluster)."""
+    try:
+        yield
+    finally:
+        wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole again")
+
+
+def test_kill_decode_worker_mid_stream_migrates_every_stream(cluster: RealCluster) -> None:
+    """kill -9 of one of two decode workers while 4 streams run: every stream completes with
+    the same greedy text as an uninterrupted run (no token lost or repeated)."""
+    wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole")
+    expected = reference_texts(cluster, PROMPTS, MAX_TOKENS)
+    migrations = metric_sum(cluster, "pdserve_gateway_retries_total", 'kind="migration"')
+    with restored(cluster):
+        streams = start_streams(cluster, PROMPTS, MAX_TOKENS)
+        wait_until(lambda: all(s.tokens >= 3 or s.done.is_set() for s in streams), RECOVERY_S,
+                   "every stream has tokens")  # fmt: skip
+        victim = streams[0].headers["x-pdserve-decode-worker"]  # e.g. "decode-1"
+        index = int(victim.rsplit("-", 1)[1])
+        on_victim = [s for s in streams if s.headers.get("x-pdserve-decode-worker") == victim]
+        os.killpg(group_on_port(cluster.ports["decode"] + index), signal.SIGKILL)
+        wait_all(streams)
+    for s, text in zip(streams, expected, strict=True):
+        assert not s.error, s.error
+        assert s.finish == "length" and s.usage["completion_tokens"] == MAX_TOKENS, s
+        assert s.text == text, f"{s.prompt!r}: {s.text!r} != uninterrupted {text!r}"
+    moved = metric_sum(cluster, "pdserve_gateway_retries_total", 'kind="migration"') - migrations
+    unfinished = [s for s in on_victim if s.tokens < MAX_TOKENS]
+    assert moved >= 1 or not unfinished, "streams on the killed worker were not migrated"
+
+
+def test_kill_prefill_worker_while_requests_stream(cluster: RealCluster) -> None:
+    """kill -9 of one of two prefill workers while 8 requests run: 8/8 complete, full length."""
+    wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole")
+    prompts = [f"{p} Answer number {i}." for i, p in enumerate(PROMPTS * 2)]
+    with restored(cluster):
+        streams = start_streams(cluster, prompts, 16)
+        wait_until(lambda: any(s.headers for s in streams), RECOVERY_S, "a request is served")
+        os.killpg(group_on_port(cluster.ports["prefill"]), signal.SIGKILL)
+        wait_all(streams)
+        failed = [s for s in streams if s.error or s.finish != "length"]
+        assert not failed, failed
+        assert all(s.usage["completion_tokens"] == 16 for s in streams)
+
+
+def test_hung_prefill_worker_is_ejected_and_readmitted(cluster: RealCluster) -> None:
+    """SIGSTOP of a prefill worker (a hang): requests complete through the other workers, the
+    hung one is ejected; after SIGCONT it is readmitted."""
+    wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole")
+    group = group_on_port(cluster.ports["prefill"] + 1)
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        streams = start_streams(cluster, PROMPTS, 8)
+        wait_all(streams)
+        took = time.monotonic() - started
+        assert all(not s.error and s.finish == "length" for s in streams), streams
+        wait_until(lambda: health(cluster)["healthy_prefill_workers"] == PREFILL_WORKERS - 1,
+                   60, "the hung worker is ejected")  # fmt: skip
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    wait_until(lambda: whole(cluster), 120, "the worker is readmitted after SIGCONT")
+    print(f"4 requests with one prefill worker hung took {took:.1f} s")
