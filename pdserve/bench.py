@@ -8,6 +8,8 @@
 - ``pdserve bench engine``: each worker's engine speed vs a bare vLLM engine, same settings.
 - ``pdserve bench gateway``: the gateway's added TTFT/ITL (fake workers, many concurrent
   streams) against a direct connection to the decode worker, in the same run.
+- ``pdserve bench soak``: minutes of mixed load with periodic worker faults; failed requests,
+  memory growth and p99 drift.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ BENCHES = {
     "serve": "pdserve.bench_serve",
     "engine": "pdserve.bench_engine",
     "gateway": "pdserve.bench_gateway",
+    "soak": "pdserve.bench_soak",
 }
 
 
