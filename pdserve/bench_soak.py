@@ -26,7 +26,20 @@ from typing import Any
 from pdserve import machine
 from pdserve.bench_serve import pdserve_cluster
 
-WORDS = "river stone lamp garden signal winter orbit market paper violin harbor cedar".split()
+WORDS = [
+    "river",
+    "stone",
+    "lamp",
+    "garden",
+    "signal",
+    "winter",
+    "orbit",
+    "market",
+    "paper",
+    "violin",
+    "harbor",
+    "cedar",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
