@@ -2,7 +2,9 @@
 
 Capabilities are fetched at start and every ``health_interval_s``; a worker whose call fails
 (or that reports the wrong role) is unhealthy and skipped until a later refresh succeeds. A
-worker that fails a request is marked unhealthy at once (``mark_failed``). Pairs of prefill and
+worker that fails a request is ejected at once (``mark_failed``, a circuit breaker: no probe
+before its ejection time, which doubles while it keeps failing); while a worker is not
+healthy its ``down`` event is set, and requests streaming from it move on. Pairs of prefill and
 decode workers whose ``kv_compat`` maps differ are never compatible; each such pair is logged
 once as an error naming the differing keys.
 """
