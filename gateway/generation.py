@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.errors import (
@@ -26,6 +27,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool
 from gateway.routing import Route
+from pdserve import tracing
 from pdserve.grpc_client import RpcCallError
 from protos.v1 import common_pb2, worker_pb2
 
@@ -125,6 +127,8 @@ class Generation:
         self._completion_tokens = 0
         self._done = False
         self._predicted = route.predicted_cached_tokens
+        self._decode_span: Any = tracing.NO_SPAN  # from the Decode call to the stream's end
+        self._prefill_engine: common_pb2.EngineTimes | None = None
         self._held: list[AnyWorker] = [w for w in (route.prefill, route.decode) if w is not None]
         for worker in self._held:
             worker.in_flight += 1
@@ -173,7 +177,10 @@ class Generation:
             handoff,
             timeout=self._timeout_s,
         )
-        self._first = await self._next_chunk()
+        attributes = {"pdserve.worker": self.decode.worker_id, "pdserve.kv_handoff": bool(handoff)}
+        self._decode_span = tracing.start_span("decode", attributes, kind="client")
+        with tracing.use(self._decode_span):  # the call's metadata carries this span
+            self._first = await self._next_chunk()
         if self._first is not None:
             self.prompt_logprobs = list(self._first.prompt_logprobs)
 
@@ -192,9 +199,15 @@ class Generation:
         ahead = worker.pace.sent(tokens)
         ok = False
         try:
-            response = await worker.client.prefill(
-                self.request_id, self.token_ids, self.params, timeout=min(deadline, self._timeout_s)
-            )
+            attributes = {"pdserve.worker": worker.worker_id, "pdserve.prompt_tokens": tokens}
+            with tracing.span("prefill", attributes, kind="client") as span:
+                response = await worker.client.prefill(
+                    self.request_id,
+                    self.token_ids,
+                    self.params,
+                    timeout=min(deadline, self._timeout_s),
+                )
+                span.set_attribute("pdserve.cached_tokens", response.cached_tokens)
             ok = True
         except RpcCallError as err:
             self._prefill_failed(worker, err)
@@ -202,6 +215,7 @@ class Generation:
         finally:
             worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)
         self._metrics.prefill_seconds.observe(time.monotonic() - started)
+        self._prefill_engine = response.engine if response.HasField("engine") else None
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)
             self._predicted = None
@@ -296,6 +310,7 @@ class Generation:
             now = time.monotonic()
             if self._last_token_at is None:
                 self._metrics.ttft.labels(self.path).observe(now - self._received_at)
+                self._decode_span.add_event("first_token")
             else:
                 per_token = (now - self._last_token_at) / count
                 for _ in range(count):
@@ -318,6 +333,17 @@ class Generation:
         self._metrics.kv_bytes.inc(transfer.kv_bytes_received)
         if transfer.kv_blocks_received:
             self._metrics.kv_seconds.observe(transfer.kv_transfer_seconds)
+        engine = chunk.engine if chunk.HasField("engine") else None
+        self._metrics.phases(self._prefill_engine if self.prefill else None, engine, transfer)
+        tracing.finish(
+            self._decode_span,
+            {
+                "pdserve.finish_reason": chunk.finish_reason,
+                "pdserve.completion_tokens": usage.completion_tokens,
+                "pdserve.kv.bytes": transfer.kv_bytes_received,
+                "pdserve.kv.blocks": transfer.kv_blocks_received,
+            },
+        )
         self._done = True
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
@@ -344,6 +370,8 @@ class Generation:
         self._done = True
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
+        error = None if outcome == "cancelled" else outcome
+        tracing.finish(self._decode_span, {"pdserve.outcome": outcome}, error)
         if self._touched:
             self._abort(list(self._touched), self.request_id)
 
