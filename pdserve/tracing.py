@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -125,33 +125,37 @@ def _exporter(name: str) -> Any:
     )
 
 
-def setup(role: str, worker_id: str = "") -> bool:
+def setup(role: str, worker_id: str = "", exporters: Sequence[Any] | None = None) -> bool:
     """Turn tracing on for this process if the environment asks for it; True if on.
 
-    ``role``: "gateway", "prefill" or "decode". A misconfiguration is logged, and the process
-    runs untraced rather than not at all."""
+    ``role``: "gateway", "prefill" or "decode". ``exporters`` (tests): span exporters to use
+    instead of the environment's, each span exported as it ends. A misconfiguration is
+    logged, and the process runs untraced rather than not at all."""
     global _tracer, _provider
-    names = exporter_names()
-    if not names or _tracer is not None:
-        return _tracer is not None
+    if _tracer is not None:
+        return True
+    names = ["given"] if exporters else exporter_names()
+    if not names:
+        return False
     try:
-        exporters = [_exporter(name) for name in names]
+        chosen = list(exporters) if exporters else [_exporter(name) for name in names]
     except ValueError as exc:
         log.error("tracing stays off: %s", exc)
         return False
-    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     attributes = {"service.name": service_name(role), "pdserve.role": role}
     if worker_id:
         attributes |= {"service.instance.id": worker_id, "pdserve.worker_id": worker_id}
     # Sampler from OTEL_TRACES_SAMPLER (default parentbased_always_on); flushed at exit.
     provider = TracerProvider(resource=Resource.create(attributes))
-    for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    processor = SimpleSpanProcessor if exporters else BatchSpanProcessor
+    for exporter in chosen:
+        provider.add_span_processor(processor(exporter))
+    # This provider is pdserve's own, not the global one: vLLM's tracing (in the same
+    # process) sets up its own, and the two must not replace each other.
     _provider = provider
     _tracer = provider.get_tracer("pdserve")
     log.info("tracing on: service.name %s, exporters %s", attributes["service.name"], names)
