@@ -45,6 +45,8 @@ def test_dashboard_queries_exported_metrics() -> None:
         "inter_token_latency",
         "kv_transfer_bytes",
         "kv_transfer_seconds",
+        "phase_seconds",
+        "in_flight_requests",
     ):
         assert f"pdserve_gateway_{topic}" in text, f"the dashboard shows {topic}"
 
@@ -110,3 +112,18 @@ def test_collector_pipelines_are_wired() -> None:
     assert jobs["otel-collector"]["static_configs"][0]["targets"] == [
         f"otel-collector:{exporter_port}"
     ]
+
+
+def test_traces_go_to_the_collector_and_on_to_the_viewer() -> None:
+    config = yaml.safe_load((OBSERVABILITY / "otel-collector.yaml").read_text())
+    services = compose_config("--profile", "observability")["services"]
+    http_port = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    for name in ("gateway", "prefill", "decode"):
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{http_port}"
+        assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+        assert env["OTEL_TRACES_EXPORTER"] == "none"  # on with OTEL_TRACES_EXPORTER=otlp
+    exporters = config["service"]["pipelines"]["traces"]["exporters"]
+    hosts = {config["exporters"][e]["endpoint"].split(":")[0] for e in exporters}
+    assert hosts == {"jaeger"} and "jaeger" in services
+    assert "observability" in services["jaeger"]["profiles"]
