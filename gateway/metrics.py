@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``).
+"""Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``);
+every metric is listed in docs/observability.md.
 
 Label values: ``endpoint`` is "completions", "chat_completions" or "grpc_generate"; ``path``
 is "disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the
@@ -122,7 +123,7 @@ class GatewayMetrics:
         self.predictions = Counter(
             "pdserve_gateway_prefix_predictions",
             "Predicted vs actual cached prompt tokens of the computing worker, per request: "
-            "exact, over (predicted more) or under.",
+            "exact, over (predicted more) or under (none while the prefix index is unreachable).",
             ["result"],
             registry=r,
         )
