@@ -21,7 +21,7 @@ def tree_order(spans: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """(depth, span) depth-first, siblings by start time."""
     ids = {s["span_id"] for s in spans}
     kids: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    roots = []
+    roots: list[dict[str, Any]] = []
     for s in spans:
         parent = s.get("parent_span_id") or ""
         (kids[parent] if parent in ids else roots).append(s)
