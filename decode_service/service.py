@@ -144,7 +144,7 @@ class DecodeService(WorkerService):
         keeper = self._keep_lease(handoff) if handoff else None
         with self.counted(), _cancelling(keeper):
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
-            trace = tracing.headers() or None
+            trace = self.trace_headers()
             async for output in self.engine.generate(
                 prompt, sampling, request_id, trace_headers=trace
             ):

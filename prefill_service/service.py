@@ -15,7 +15,6 @@ from typing import Any
 
 from kv_transfer.client import release
 from kv_transfer.errors import KVTransferError
-from pdserve import tracing
 from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, WorkerError
 from pdserve.worker.service import WorkerService
@@ -59,7 +58,7 @@ class PrefillService(WorkerService):
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         with self.counted():
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
-            trace = tracing.headers() or None
+            trace = self.trace_headers()
             async for output in self.engine.generate(
                 prompt, params, request_id, trace_headers=trace
             ):
