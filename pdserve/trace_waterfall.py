@@ -67,6 +67,11 @@ def draw(spans: list[dict[str, Any]], out: str) -> None:
         ax.text(start + width + total_ms / 200, row, label, va="center", fontsize=8)
     labels = [f"{'  ' * depth}{s['name']}" for depth, s in rows]
     ax.set_yticks(range(len(rows)), labels, fontsize=8, family="monospace")
+    # Left-aligned, so that the indentation shows the tree.
+    width_pt = max(len(label) for label in labels) * 8 * 0.62
+    ax.tick_params(axis="y", pad=width_pt + 4)
+    for tick in ax.get_yticklabels():
+        tick.set_horizontalalignment("left")
     ax.invert_yaxis()
     ax.set_xlim(0, total_ms * 1.3)
     ax.set_xlabel("ms since the request arrived at the gateway")
