@@ -10,7 +10,7 @@ import grpc
 from decode_service.service import DecodeEvent, DecodeService
 from pdserve.worker import handoff
 from pdserve.worker.errors import WorkerError
-from pdserve.worker.server import ServicerBase, fail
+from pdserve.worker.server import ServicerBase, fail, rpc_span
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
@@ -49,8 +49,12 @@ def to_chunk(event: DecodeEvent) -> worker_pb2.DecodeChunk:
                 kv_blocks_received=int(t.get("received_blocks", 0)),
                 kv_bytes_received=int(t.get("received_bytes", 0)),
                 kv_transfer_seconds=float(t.get("transfer_seconds", 0.0)),
+                kv_transfer_started_unix=float(t.get("transfer_started_unix", 0.0)),
             )
         )
+        engine = event.phases.message()
+        if engine is not None:
+            chunk.engine.CopyFrom(engine)
     return chunk
 
 
@@ -60,19 +64,21 @@ class DecodeServicer(ServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(  # type: ignore[override]
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeChunk]:
-        service: DecodeService = await self.ready(context)
-        params = (
-            handoff.to_params(request.kv_transfer_params)
-            if request.HasField("kv_transfer_params")
-            else None
-        )
-        try:
-            async for event in service.decode(
-                request.request_id, list(request.prompt_token_ids), request.params, params
-            ):
-                yield to_chunk(event)
-        except WorkerError as exc:
-            await fail(context, exc)
+        with rpc_span(context, f"{SERVICE_NAME}/Decode", request.request_id) as span:
+            service: DecodeService = await self.ready(context)
+            params = (
+                handoff.to_params(request.kv_transfer_params)
+                if request.HasField("kv_transfer_params")
+                else None
+            )
+            span.set_attribute("pdserve.kv_handoff", params is not None)
+            try:
+                async for event in service.decode(
+                    request.request_id, list(request.prompt_token_ids), request.params, params
+                ):
+                    yield to_chunk(event)
+            except WorkerError as exc:
+                await fail(context, exc)
 
 
 def register(servicer: DecodeServicer) -> Any:

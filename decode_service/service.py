@@ -21,6 +21,8 @@ from typing import Any
 from kv_transfer import seal
 from kv_transfer.client import release, renew
 from kv_transfer.errors import KVTransferError, PromptMismatch
+from pdserve import tracing
+from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, KVTransferFailed
 from pdserve.worker.sampling import to_vllm
 from pdserve.worker.service import WorkerService
@@ -41,6 +43,7 @@ class DecodeEvent:
     completion_tokens: int = 0
     cached_tokens: int = 0
     transfer: dict[str, Any] = field(default_factory=dict)
+    phases: EnginePhases = field(default_factory=EnginePhases)
 
 
 Logprobs = list[tuple[int, float, list[tuple[int, float]]]]
@@ -84,6 +87,27 @@ def _cancelling(task: asyncio.Task[None] | None) -> Iterator[None]:
             task.cancel()
 
 
+def _trace_pull(stats: dict[str, Any]) -> None:
+    """A span of the KV pull, child of the current (Decode) span, from what the transfer
+    process measured: when it started, how long it took, the blocks and bytes received."""
+    started = float(stats.get("transfer_started_unix") or 0.0)
+    if not tracing.enabled() or not started:
+        return
+    span = tracing.start_span(
+        "kv.pull",
+        {
+            "pdserve.kv.blocks": int(stats.get("received_blocks", 0)),
+            "pdserve.kv.bytes": int(stats.get("received_bytes", 0)),
+            "pdserve.kv.tokens": int(stats.get("received_tokens", 0)),
+            "pdserve.kv.local_cached_tokens": int(stats.get("local_cached_tokens", 0)),
+        },
+        start_time=started,
+    )
+    if stats.get("transfer_error"):
+        tracing.fail(span, str(stats["transfer_error"]))
+    tracing.end_at(span, started + float(stats.get("transfer_seconds") or 0.0))
+
+
 class DecodeService(WorkerService):
     async def decode(
         self,
@@ -119,7 +143,11 @@ class DecodeService(WorkerService):
         # is kept alive: a busy decode worker must not turn waiting into a recomputation.
         keeper = self._keep_lease(handoff) if handoff else None
         with self.counted(), _cancelling(keeper):
-            async for output in self.engine.generate(prompt, sampling, request_id):
+            # vLLM's own request spans (when its tracing is on) join the caller's trace.
+            trace = self.trace_headers()
+            async for output in self.engine.generate(
+                prompt, sampling, request_id, trace_headers=trace
+            ):
                 if keeper is not None:  # the blocks are in (the first output comes after)
                     keeper.cancel()
                     keeper = None
@@ -140,6 +168,9 @@ class DecodeService(WorkerService):
     def _finish(self, event: DecodeEvent, output: Any, prompt_len: int, generated: int) -> None:
         completion = output.outputs[0]
         stats = dict((output.kv_transfer_params or {}).get("pdserve") or {})
+        event.phases = EnginePhases.of(output)
+        event.phases.trace()
+        _trace_pull(stats)
         if completion.finish_reason == "error":
             reason = stats.get("transfer_error") or "the engine failed the request"
             raise KVTransferFailed(reason)

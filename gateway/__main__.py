@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
 from pdserve import log as pdlog
+from pdserve import tracing
 from pdserve.grpc_server import stop_event_on_signals
 from pdserve.settings import cli_args, from_args
 
@@ -37,6 +38,7 @@ async def _serve(settings: GatewaySettings) -> int:
 
 def run(args: argparse.Namespace) -> int:
     pdlog.setup("gateway")
+    tracing.setup("gateway")
     try:
         settings = from_args(GatewaySettings, args)
     except ValidationError as err:

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.decode_stream import DecodeStream
@@ -33,6 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool, unless_down
 from gateway.recovery import Phase, alternative, backoff_s, continuation, migratable
 from gateway.routing import Route
+from pdserve import tracing
 from pdserve.grpc_client import RpcCallError
 from protos.v1 import common_pb2, worker_pb2
 
@@ -91,6 +93,8 @@ class Generation:
         self._migrations = 0
         self._done = False
         self._predicted = route.predicted_cached_tokens
+        self._decode_span: Any = tracing.NO_SPAN  # from a Decode call to its stream's end
+        self._prefill_engine: common_pb2.EngineTimes | None = None
         self._held: list[AnyWorker] = []
         for worker in (route.prefill, route.decode):
             if worker is not None:
@@ -215,17 +219,23 @@ class Generation:
         ahead = worker.pace.sent(tokens)
         ok = False
         try:
-            call = asyncio.ensure_future(
-                worker.client.prefill(rid, prompt, params, timeout=min(deadline, self._timeout_s))
-            )
-            if not await unless_down(worker, call):  # ejected meanwhile: dead or hung
-                raise RpcCallError(worker.address, "Prefill", "UNAVAILABLE",
-                                   f"ejected: {worker.last_error}", reason="ejected")  # fmt: skip
-            response = call.result()
+            attributes = {"pdserve.worker": worker.worker_id, "pdserve.prompt_tokens": tokens}
+            with tracing.span("prefill", attributes, kind="client") as span:
+                call = asyncio.ensure_future(  # the call's metadata carries the span
+                    worker.client.prefill(
+                        rid, prompt, params, timeout=min(deadline, self._timeout_s)
+                    )
+                )
+                if not await unless_down(worker, call):  # ejected meanwhile: dead or hung
+                    why = f"ejected: {worker.last_error}"
+                    raise RpcCallError(worker.address, "Prefill", "UNAVAILABLE", why, "ejected")
+                response = call.result()
+                span.set_attribute("pdserve.cached_tokens", response.cached_tokens)
             ok = True
         finally:
             worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)
         self._metrics.prefill_seconds.observe(time.monotonic() - started)
+        self._prefill_engine = response.engine if response.HasField("engine") else None
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)
             self._predicted = None
@@ -313,8 +323,13 @@ class Generation:
         self._call(self.decode, rid)
         call = self.decode.client.decode(rid, prompt, params, handoff, timeout=self._timeout_s)
         self._stream = DecodeStream(self.decode, rid, call, self._pool)
+        self._end_decode_span({"pdserve.outcome": "retried"}, "retried")  # an earlier attempt
+        attributes = {"pdserve.worker": self.decode.worker_id, "pdserve.kv_handoff": bool(handoff),
+                      "pdserve.prompt_tokens": len(prompt)}  # fmt: skip
+        self._decode_span = tracing.start_span("decode", attributes, kind="client")
         try:
-            self._first = await self._stream.next(None)
+            with tracing.use(self._decode_span):  # the call's metadata carries this span
+                self._first = await self._stream.next(None)
         except BaseException:
             await self._close_stream()
             raise
@@ -432,6 +447,7 @@ class Generation:
             now = time.monotonic()
             if self._last_token_at is None:
                 self._metrics.ttft.labels(self.path).observe(now - self._received_at)
+                self._decode_span.add_event("first_token")
             else:
                 per_token = (now - self._last_token_at) / count
                 for _ in range(count):
@@ -455,6 +471,16 @@ class Generation:
         self._metrics.kv_bytes.inc(transfer.kv_bytes_received)
         if transfer.kv_blocks_received:
             self._metrics.kv_seconds.observe(transfer.kv_transfer_seconds)
+        engine = chunk.engine if chunk.HasField("engine") else None
+        self._metrics.phases(self._prefill_engine if self.prefill else None, engine, transfer)
+        self._end_decode_span(
+            {
+                "pdserve.finish_reason": chunk.finish_reason,
+                "pdserve.completion_tokens": len(self._generated),
+                "pdserve.kv.bytes": transfer.kv_bytes_received,
+                "pdserve.kv.blocks": transfer.kv_blocks_received,
+            }
+        )
         self._done = True
         self._calls.clear()  # every call ended normally
         self._pool.mark_ok(self.decode)
@@ -483,9 +509,16 @@ class Generation:
         self._done = True
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
+        self._end_decode_span(
+            {"pdserve.outcome": outcome}, None if outcome == "cancelled" else outcome
+        )
         calls, self._calls = self._calls, []
         for worker, rid in calls:
             self._abort([worker], rid)
+
+    def _end_decode_span(self, attributes: dict[str, Any], error: str | None = None) -> None:
+        span, self._decode_span = self._decode_span, tracing.NO_SPAN
+        tracing.finish(span, attributes, error)
 
     async def aclose(self) -> None:
         """For callers that stop before or without iterating ``events``."""

@@ -30,6 +30,7 @@ from gateway.errors import (
 )
 from gateway.events import Finish, TokenDelta
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
+from pdserve import tracing
 from pdserve.grpc_client import REQUEST_ID_METADATA
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -60,6 +61,16 @@ def status_code(err: GatewayError) -> grpc.StatusCode:
 async def _abort(context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
     await context.abort(status_code(err), err.message)
     raise AssertionError("context.abort returned")  # it always raises
+
+
+def _span(method: str, request_id: str, metadata: dict[str, str]) -> Any:
+    """The server span of one call: the root of its trace, or a child of the client's
+    ``traceparent`` metadata; a no-op while tracing is off."""
+    if not tracing.enabled():
+        return tracing.NO_SPAN
+    full = f"{SERVICE_NAME}/{method}"
+    attributes = {"rpc.system": "grpc", "rpc.method": full, "pdserve.request_id": request_id}
+    return tracing.span(full, attributes, kind="server", parent=tracing.extract(metadata))
 
 
 def _messages(chat: generate_pb2.ChatMessages) -> tuple[dict[str, Any], ...]:
@@ -124,26 +135,28 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         metadata = await self._authorize(context)
         request_id = edge_request_id(metadata.get(REQUEST_ID_METADATA))
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        try:
-            core = GenerateRequest(
-                request_id,
-                _prompt(request),
-                request.params,
-                request.model,
-                "grpc_generate",
-                deadline_s=context.time_remaining(),
-            )
-            generation = await self.service.start(core)
-            async for event in generation.events():
-                if isinstance(event, TokenDelta):
-                    yield generate_pb2.GenerateResponse(
-                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
-                    )
-                else:
-                    context.set_trailing_metadata(tuple(generation.routing_headers().items()))
-                    yield _final(event)
-        except GatewayError as err:
-            await _abort(context, err)
+        with _span("Generate", request_id, metadata):
+            try:
+                core = GenerateRequest(
+                    request_id,
+                    _prompt(request),
+                    request.params,
+                    request.model,
+                    "grpc_generate",
+                    deadline_s=context.time_remaining(),
+                )
+                generation = await self.service.start(core)
+                async for event in generation.events():
+                    if isinstance(event, TokenDelta):
+                        yield generate_pb2.GenerateResponse(
+                            token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                        )
+                    else:
+                        routing = tuple(generation.routing_headers().items())
+                        context.set_trailing_metadata(routing)
+                        yield _final(event)
+            except GatewayError as err:
+                await _abort(context, err)
 
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

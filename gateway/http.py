@@ -34,17 +34,21 @@ from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_serving import OpenAIResponder
 from gateway.service import GenerateRequest, GenerationService, edge_request_id
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from pdserve import tracing
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REQUEST_ID_HEADER = "x-request-id"
+UNTRACED_PATHS = frozenset({"/health", "/metrics"})
 _bearer = HTTPBearer(auto_error=False, description="an API key, when the gateway has keys")
 
 
 class RequestIdMiddleware:
     """Pure ASGI (no buffering, streaming and cancellation untouched): picks the request id
-    and adds it to every response."""
+    and adds it to every response. While tracing is on, each request (but probes and
+    scrapes) is one span, the root of its trace or a child of the client's ``traceparent``;
+    it ends when the response (a whole stream) has been sent."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -53,15 +57,32 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = edge_request_id(Headers(scope=scope).get(REQUEST_ID_HEADER))
+        headers = Headers(scope=scope)
+        request_id = edge_request_id(headers.get(REQUEST_ID_HEADER))
         scope.setdefault("state", {})["request_id"] = request_id
+        status = {"code": 0}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+                status["code"] = int(message["status"])
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        if not tracing.enabled() or scope["path"] in UNTRACED_PATHS:
+            await self.app(scope, receive, send_with_id)
+            return
+        name = f"{scope['method']} {scope['path']}"
+        attributes = {
+            "http.request.method": scope["method"],
+            "url.path": scope["path"],
+            "pdserve.request_id": request_id,
+        }
+        parent = tracing.extract(headers.items())
+        with tracing.span(name, attributes, kind="server", parent=parent) as span:
+            await self.app(scope, receive, send_with_id)
+            span.set_attribute("http.response.status_code", status["code"])
+            if status["code"] >= 500:
+                tracing.fail(span, f"HTTP {status['code']}")
 
 
 def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> FastAPI:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``).
+"""Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``);
+every metric is listed in docs/observability.md.
 
 Label values: ``endpoint`` is "completions", "chat_completions" or "grpc_generate"; ``path``
 is "disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the
@@ -12,9 +13,12 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
+
+from protos.v1 import common_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -92,6 +96,20 @@ class GatewayMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.in_flight = Gauge(
+            "pdserve_gateway_in_flight_requests",
+            "Generations admitted and not yet ended (each choice of an n > 1 request counts).",
+            registry=r,
+        )
+        self.phase_seconds = Histogram(
+            "pdserve_gateway_phase_seconds",
+            "Where finished requests spent their time, by phase: queue (waiting in the "
+            "engines' queues), prefill (computing the prompt), transfer (pulling its KV "
+            "blocks), decode (first to last token); from the workers' vLLM statistics.",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
         self.decisions = Counter(
             "pdserve_gateway_routing_decisions",
@@ -113,7 +131,7 @@ class GatewayMetrics:
         self.predictions = Counter(
             "pdserve_gateway_prefix_predictions",
             "Predicted vs actual cached prompt tokens of the computing worker, per request: "
-            "exact, over (predicted more) or under.",
+            "exact, over (predicted more) or under (none while the prefix index is unreachable).",
             ["result"],
             registry=r,
         )
@@ -134,6 +152,30 @@ class GatewayMetrics:
         self.predictions.labels(result).inc()
         self.predicted_tokens.inc(predicted)
         self.actual_tokens.inc(actual)
+
+    def phases(
+        self,
+        prefill: common_pb2.EngineTimes | None,
+        decode: common_pb2.EngineTimes | None,
+        transfer: common_pb2.TransferStats,
+    ) -> None:
+        """Record one finished request's phases. ``prefill``: the prefill engine's times
+        (None on the local path); ``decode``: the decode engine's (None: not reported)."""
+        pulled = transfer.kv_transfer_seconds if transfer.kv_blocks_received else 0.0
+        if pulled:
+            self.phase_seconds.labels("transfer").observe(pulled)
+        if decode is None:
+            return
+        # The decode engine schedules a request once its KV blocks are in: its queue time
+        # includes the pull.
+        queue = max(0.0, decode.queue_seconds - pulled)
+        computed = decode
+        if prefill is not None:
+            queue += prefill.queue_seconds
+            computed = prefill
+        self.phase_seconds.labels("queue").observe(queue)
+        self.phase_seconds.labels("prefill").observe(computed.prefill_seconds)
+        self.phase_seconds.labels("decode").observe(decode.decode_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

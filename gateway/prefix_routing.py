@@ -59,15 +59,18 @@ class PrefixPicker:
     ) -> Route:
         if not decode:
             raise NoWorkerAvailable("no healthy decode worker")
-        cached = await self._cached_tokens(request, [*prefill, *decode])
+        known = await self._cached_tokens(request, [*prefill, *decode])
+        cached = known or {}
         n = len(request.token_ids)
         chosen = self._best(decode, cached, n)
         d_cached = cached.get(chosen.worker_id, 0)
         fits = [p for p in prefill if compatible(p, chosen)]
+        # Without the index there is no prediction (None), rather than a guess of 0 tokens.
         if not fits or n - d_cached <= self.settings.disagg_min_uncached_tokens:
-            return Route(None, chosen, predicted_cached_tokens=d_cached)
+            return Route(None, chosen, predicted_cached_tokens=None if known is None else d_cached)
         p = self._best(fits, cached, n)
-        return Route(p, chosen, predicted_cached_tokens=cached.get(p.worker_id, 0))
+        predicted = None if known is None else cached.get(p.worker_id, 0)
+        return Route(p, chosen, predicted_cached_tokens=predicted)
 
     def _best(self, workers: Sequence[W], cached: dict[str, int], n: int) -> W:
         top_load = max(w.load() for w in workers)
@@ -84,11 +87,12 @@ class PrefixPicker:
 
     async def _cached_tokens(
         self, request: RouteRequest, workers: Sequence[PrefillWorker | DecodeWorker]
-    ) -> dict[str, int]:
-        """worker id -> prompt tokens its cache would serve (empty: unknown)."""
+    ) -> dict[str, int] | None:
+        """worker id -> prompt tokens its cache would serve (a worker not named: none);
+        None when the index cannot tell (no index, or it is unreachable)."""
         sizes = {w.capabilities.block_size for w in workers if w.capabilities}
         if self.index is None or len(sizes) != 1 or not request.token_ids:
-            return {}
+            return None
         block_size = sizes.pop()
         hashes = await self.offload.run(
             block_hashes, request.token_ids, block_size, self.settings.hash_seed
@@ -105,7 +109,7 @@ class PrefixPicker:
             if not self._index_down:
                 log.warning("prefix index unavailable (%s); routing by load only", exc)
             self._index_down = True
-            return {}
+            return None
         self._index_down = False
         self.metrics.index_lookup_seconds.observe(time.monotonic() - started)
         n = len(request.token_ids)

@@ -38,6 +38,7 @@ from gateway.offload import Offload
 from gateway.params import check_sampling, resolve_max_tokens
 from gateway.pool import WorkerPool
 from gateway.routing import Route, RouteRequest
+from pdserve import tracing
 from pdserve.grpc_client import RpcCallError
 from protos.v1 import common_pb2
 
@@ -93,6 +94,19 @@ class ModelInfo:
     max_model_len: int
 
 
+def route_attributes(picker: str, route: Route) -> dict[str, Any]:
+    """The routing decision as span attributes."""
+    attributes: dict[str, Any] = {
+        "pdserve.route.picker": picker,
+        "pdserve.route.path": "disaggregated" if route.prefill is not None else "local",
+        "pdserve.route.decode_worker": route.decode.worker_id,
+        "pdserve.route.prefill_worker": route.prefill.worker_id if route.prefill else "local",
+    }
+    if route.predicted_cached_tokens is not None:
+        attributes["pdserve.route.predicted_cached_tokens"] = route.predicted_cached_tokens
+    return attributes
+
+
 class GenerationService:
     def __init__(
         self,
@@ -115,6 +129,7 @@ class GenerationService:
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
         self.active = 0  # generations admitted and not yet ended
+        metrics.in_flight.set_function(lambda: self.active)
 
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(self.model_name, self.pool.max_model_len())]
@@ -131,10 +146,13 @@ class GenerationService:
 
     async def start(self, request: GenerateRequest) -> Generation:
         try:
-            self._check_model(request.model)
-            check_sampling(request.params)
-            self._admit()
-            token_ids = await self.offload.run(self.tokenize, request.prompt)
+            with tracing.span("admission"):
+                self._check_model(request.model)
+                check_sampling(request.params)
+                self._admit()
+            with tracing.span("tokenize") as span:
+                token_ids = await self.offload.run(self.tokenize, request.prompt)
+                span.set_attribute("pdserve.prompt_tokens", len(token_ids))
             params = resolve_max_tokens(
                 request.params,
                 len(token_ids),
@@ -142,7 +160,10 @@ class GenerationService:
                 self.settings.default_max_tokens,
                 prompt_param="messages" if request.prompt.messages is not None else "prompt",
             )
-            route = await self._route(request, token_ids, params)
+            with tracing.span("route") as span:
+                route = await self._route(request, token_ids, params)
+                if span.is_recording():
+                    span.set_attributes(route_attributes(self.picker.name, route))
         except GatewayError as err:
             self.metrics.requests.labels(request.endpoint, "none", outcome_for(err)).inc()
             raise

@@ -3,8 +3,9 @@
 For each ``pull`` job from the worker it connects to the prefill worker's agent, sends the
 request id, the remote block ids and its compatibility description, receives the blocks'
 bytes straight into the mapped memory of its own (already allocated) blocks, acknowledges,
-and reports ``done`` with ``ok`` and the bytes and seconds. Every job is reported exactly
-once, failed or not, because the engine frees the destination blocks only then.
+and reports ``done`` with ``ok``, the bytes, the seconds and when it started (epoch seconds,
+for the decode worker's trace span of the pull). Every job is reported exactly once, failed
+or not, because the engine frees the destination blocks only then.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Consumer:
     def _pull_job(self, job: dict[str, Any]) -> None:
         req = str(job["req"])
         started = time.perf_counter()
-        result: dict[str, Any] = {"op": "done", "req": req, "ok": False}
+        result: dict[str, Any] = {"op": "done", "req": req, "ok": False, "started": time.time()}
         peer = (str(job["host"]), int(job["port"]))
         conn = None
         try:

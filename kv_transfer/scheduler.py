@@ -90,6 +90,7 @@ class RequestStats:
     received_blocks: int = 0
     received_bytes: int = 0
     transfer_seconds: float = 0.0
+    transfer_started_unix: float = 0.0
     transfer_error: str = ""
 
     def as_params(self) -> dict[str, Any]:
@@ -192,6 +193,7 @@ class ConsumerScheduler:
             stats.received_bytes = int(result.get("bytes", 0))
             stats.received_blocks = int(result.get("blocks", 0))
             stats.transfer_seconds = float(result.get("seconds", 0.0))
+            stats.transfer_started_unix = float(result.get("started", 0.0))
             if not result.get("ok"):
                 stats.received_tokens = 0
                 stats.transfer_error = str(result.get("error", "KV transfer failed"))

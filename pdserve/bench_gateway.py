@@ -248,6 +248,7 @@ def build_report(
             "ttft_ms": _pct(r.ttft), "itl_ms": _pct(r.itl), "errors": r.errors,
             "client_cpu_share": cpu["client_s"] / cpu["wall_s"] if cpu["wall_s"] else None,
             "gateway_cpu_us_per_token": cpu["gateway_s"] / r.tokens * 1e6 if r.tokens else None,
+            "requests_per_s": r.requests / cpu["wall_s"] if cpu["wall_s"] else None,
         }  # fmt: skip
     added: dict[str, Any] = {}
     base = paths["direct_grpc"]

@@ -2,8 +2,9 @@
 
 One place creates a ``grpc.aio`` channel with the same message-size limits as the servers
 (``pdserve.grpc_server``), builds the per-call metadata (the request id travels as
-``x-request-id``; with a deployment secret each call carries its ``pdserve.grpc_auth`` token,
-so worker clients made anywhere in the process authenticate), turns
+``x-request-id``, the current span's W3C trace context as ``traceparent``; with a deployment
+secret each call carries its ``pdserve.grpc_auth`` token, so worker clients made anywhere in
+the process authenticate), turns
 ``grpc.aio.AioRpcError`` into ``RpcCallError`` (so that callers never
 depend on grpc's exception types), and closes the channel.
 """
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdserve import tracing
 from pdserve.grpc_server import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,8 @@ class GrpcClient:
         self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
     def _metadata(self, method: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
-        metadata = request_metadata(request_id)
+        # The current span's W3C context (traceparent): the worker's spans join the trace.
+        metadata = request_metadata(request_id) + tracing.inject()
         if self.secret is not None:
             from pdserve.grpc_auth import AUTH_METADATA, token
 

@@ -8,7 +8,7 @@ import grpc
 
 from pdserve.worker import handoff
 from pdserve.worker.errors import WorkerError
-from pdserve.worker.server import ServicerBase, fail
+from pdserve.worker.server import ServicerBase, fail, rpc_span
 from prefill_service.service import PrefillService
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -21,17 +21,25 @@ class PrefillServicer(ServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        service: PrefillService = await self.ready(context)
-        try:
-            result = await service.prefill(request.request_id, list(request.prompt_token_ids))
-        except WorkerError as exc:
-            await fail(context, exc)
+        with rpc_span(context, f"{SERVICE_NAME}/Prefill", request.request_id) as span:
+            service: PrefillService = await self.ready(context)
+            try:
+                result = await service.prefill(request.request_id, list(request.prompt_token_ids))
+            except WorkerError as exc:
+                await fail(context, exc)
+            span.set_attributes(
+                {
+                    "pdserve.prompt_tokens": result.prompt_tokens,
+                    "pdserve.cached_tokens": result.cached_tokens,
+                }
+            )
         return worker_pb2.PrefillResponse(
             request_id=request.request_id,
             kv_transfer_params=handoff.to_message(result.kv_transfer_params),
             first_token_id=result.first_token_id,
             prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
+            engine=result.phases.message(),
         )
 
 

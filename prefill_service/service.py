@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_transfer.client import release
 from kv_transfer.errors import KVTransferError
+from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, WorkerError
 from pdserve.worker.service import WorkerService
 
@@ -27,6 +28,7 @@ class PrefillResult:
     first_token_id: int
     prompt_tokens: int
     cached_tokens: int
+    phases: EnginePhases = field(default_factory=EnginePhases)
 
 
 class PrefillService(WorkerService):
@@ -55,18 +57,25 @@ class PrefillService(WorkerService):
         final = None
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         with self.counted():
-            async for output in self.engine.generate(prompt, params, request_id):
+            # vLLM's own request spans (when its tracing is on) join the caller's trace.
+            trace = self.trace_headers()
+            async for output in self.engine.generate(
+                prompt, params, request_id, trace_headers=trace
+            ):
                 final = output
         if final is None or not final.kv_transfer_params:
             raise WorkerError("the prefill engine returned no KV hand-off")
         handoff = dict(final.kv_transfer_params)
         self._remember(request_id, str(handoff.get("remote_request_id", "")))
         tokens = final.outputs[0].token_ids if final.outputs else []
+        phases = EnginePhases.of(final)
+        phases.trace()
         return PrefillResult(
             kv_transfer_params=handoff,
             first_token_id=int(tokens[0]) if tokens else 0,
             prompt_tokens=len(token_ids),
             cached_tokens=int(final.num_cached_tokens or 0),
+            phases=phases,
         )
 
     def _remember(self, request_id: str, engine_request_id: str) -> None:

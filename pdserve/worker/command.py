@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve import log
+from pdserve import log, tracing
 from pdserve.settings import cli_args, from_args
 from pdserve.worker.config import WorkerSettings
 
@@ -36,6 +36,7 @@ class WorkerCommand:
 
         settings = from_args(self.settings, args)
         log.setup(settings.name, settings.log_level)
+        tracing.setup(settings.role, settings.name)
         servicer = _load(self.servicer)()
         server_module = importlib.import_module(self.servicer.partition(":")[0])
         register = server_module.register(servicer)

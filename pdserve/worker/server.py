@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from pdserve import __version__
+from pdserve import __version__, tracing
 from pdserve.grpc_client import ERROR_REASON_METADATA
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.secret import SECRET_FILE_ENV, deployment_secret, is_loopback
@@ -52,6 +52,19 @@ async def fail(context: grpc.aio.ServicerContext, exc: WorkerError) -> NoReturn:
         await context.send_initial_metadata(((ERROR_REASON_METADATA, "kv_transfer_failed"),))
     await context.abort(grpc_code(exc), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
+
+
+def rpc_span(context: grpc.aio.ServicerContext, method: str, request_id: str) -> Any:
+    """The server span of one RPC (``method``: its full name), child of the caller's span
+    when the call's metadata carries a ``traceparent``; a no-op while tracing is off."""
+    if not tracing.enabled():
+        return tracing.NO_SPAN
+    return tracing.span(
+        method,
+        {"rpc.system": "grpc", "rpc.method": method, "pdserve.request_id": request_id},
+        kind="server",
+        parent=tracing.extract(context.invocation_metadata()),
+    )
 
 
 class ServicerBase:

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from pdserve import tracing
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
 from pdserve.worker.errors import EngineUnavailable
@@ -35,6 +36,15 @@ class WorkerService:
             yield
         finally:
             self.load.in_flight -= 1
+
+    def trace_headers(self) -> dict[str, str] | None:
+        """The current trace context for vLLM's ``trace_headers``, so that its request spans
+        join the caller's trace; None unless both pdserve's and vLLM's tracing are on (vLLM
+        warns about every request that brings a context while its own tracing is off)."""
+        config = getattr(self.engine, "observability_config", None)
+        if not tracing.enabled() or not getattr(config, "otlp_traces_endpoint", None):
+            return None
+        return tracing.headers()
 
     def check_alive(self) -> None:
         if self.engine.errored:

@@ -104,17 +104,29 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "local_cached_tokens", "kv_tokens_received", "kv_blocks_received", "kv_bytes_received", "kv_transfer_seconds")
+    __slots__ = ("prompt_tokens_computed", "local_cached_tokens", "kv_tokens_received", "kv_blocks_received", "kv_bytes_received", "kv_transfer_seconds", "kv_transfer_started_unix")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     local_cached_tokens: int
     kv_tokens_received: int
     kv_blocks_received: int
     kv_bytes_received: int
     kv_transfer_seconds: float
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., local_cached_tokens: _Optional[int] = ..., kv_tokens_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ...) -> None: ...
+    kv_transfer_started_unix: float
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., local_cached_tokens: _Optional[int] = ..., kv_tokens_received: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_started_unix: _Optional[float] = ...) -> None: ...
+
+class EngineTimes(_message.Message):
+    __slots__ = ("queue_seconds", "prefill_seconds", "decode_seconds")
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ...) -> None: ...

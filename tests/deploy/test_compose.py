@@ -23,7 +23,7 @@ PROFILE_ARGS = [(), ("--profile", "gpu"), ("--profile", "observability")]
 EXAMPLE_ENV = COMPOSE_FILE.parent / ".env.example"
 MAIN_STACK = {"redis", "model-prepare", "prefill", "decode", "gateway"}
 GPU_STACK = {"model-prepare-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu"}
-OBSERVABILITY = {"otel-collector", "prometheus", "grafana"}
+OBSERVABILITY = {"otel-collector", "jaeger", "prometheus", "grafana"}
 # Services that cannot have a Docker health check, and why.
 NO_HEALTHCHECK = {
     "model-prepare": "one-shot; dependants wait for service_completed_successfully",

@@ -4,13 +4,15 @@ dashboard queries metrics the gateway really exports, the provisioning paths mat
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gateway.metrics import GatewayMetrics
-from tests.deploy.support import COMPOSE_FILE, compose_config, default
+from tests.deploy.support import COMPOSE_FILE, K8S, compose_config, default, kustomize
 
 OBSERVABILITY = COMPOSE_FILE.parent / "observability"
 DASHBOARD = OBSERVABILITY / "grafana" / "dashboards" / "pdserve.json"
@@ -45,6 +47,8 @@ def test_dashboard_queries_exported_metrics() -> None:
         "inter_token_latency",
         "kv_transfer_bytes",
         "kv_transfer_seconds",
+        "phase_seconds",
+        "in_flight_requests",
     ):
         assert f"pdserve_gateway_{topic}" in text, f"the dashboard shows {topic}"
 
@@ -110,3 +114,42 @@ def test_collector_pipelines_are_wired() -> None:
     assert jobs["otel-collector"]["static_configs"][0]["targets"] == [
         f"otel-collector:{exporter_port}"
     ]
+
+
+def test_traces_go_to_the_collector_and_on_to_the_viewer() -> None:
+    config = yaml.safe_load((OBSERVABILITY / "otel-collector.yaml").read_text())
+    services = compose_config("--profile", "observability")["services"]
+    http_port = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    for name in ("gateway", "prefill", "decode"):
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{http_port}"
+        assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+        assert env["OTEL_TRACES_EXPORTER"] == "none"  # on with OTEL_TRACES_EXPORTER=otlp
+    exporters = config["service"]["pipelines"]["traces"]["exporters"]
+    hosts = {config["exporters"][e]["endpoint"].split(":")[0] for e in exporters}
+    assert hosts == {"jaeger"} and "jaeger" in services
+    assert "observability" in services["jaeger"]["profiles"]
+
+
+def test_the_kubernetes_tracing_component_sets_every_process_up(tmp_path: Path) -> None:
+    """An overlay of overlays/cpu with components/tracing: each pdserve Deployment's settings
+    ConfigMap carries the OTEL_* variables (and nothing else changes name)."""
+    overlay = tmp_path / "traced"
+    overlay.mkdir()
+    cpu, component = (
+        os.path.relpath(K8S / p, overlay) for p in ("overlays/cpu", "components/tracing")
+    )
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{cpu}]\ncomponents: [{component}]\n"
+    )
+    docs = kustomize(str(overlay))
+    maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    for d in docs:
+        if d["kind"] != "Deployment" or not d["metadata"]["name"].startswith("pdserve-"):
+            continue
+        container = d["spec"]["template"]["spec"]["containers"][0]
+        names = [ref["configMapRef"]["name"] for ref in container["envFrom"]]
+        data = {k: v for name in names for k, v in maps[name].items()}
+        assert data["OTEL_TRACES_EXPORTER"] == "otlp", d["metadata"]["name"]
+        assert data["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://")

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e import otlp_receiver
 from tests.e2e.cases import DTYPE, cases
 from tests.helpers import model_dir
 
@@ -147,15 +148,26 @@ def _bindable(port: int) -> bool:
 
 
 @pytest.fixture(scope="session")
+def traces() -> Iterator[otlp_receiver.Receiver]:
+    """The OTLP/HTTP receiver the session cluster exports its traces to."""
+    receiver = otlp_receiver.start()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
 def cluster(
-    reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+    reference: dict[str, Any],
+    traces: otlp_receiver.Receiver,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RealCluster]:
     """2 prefill + 2 decode workers, a private Redis and the gateway, started by ``pdserve up``.
 
-    Conditional disaggregation is off (threshold 0), so every request moves KV blocks."""
+    Conditional disaggregation is off (threshold 0), so every request moves KV blocks. Every
+    process exports traces to ``traces``."""
     log_root = tmp_path_factory.mktemp("logs")
     for attempt in range(START_ATTEMPTS):
-        ports, up, up_log, found = _start_up(log_root / f"attempt-{attempt}")
+        ports, up, up_log, found = _start_up(log_root / f"attempt-{attempt}", traces.endpoint)
         failure = _wait_ready(ports, up, found)
         if failure is None:
             break
@@ -173,7 +185,9 @@ def cluster(
     assert not leftover, f"ports still served after shutdown: {leftover}"
 
 
-def _start_up(log_dir: Path) -> tuple[dict[str, int], subprocess.Popen[bytes], Any, RealCluster]:
+def _start_up(
+    log_dir: Path, otlp_endpoint: str
+) -> tuple[dict[str, int], subprocess.Popen[bytes], Any, RealCluster]:
     ports = {name: free_port() for name in ("http", "grpc")}
     ports["prefill"] = free_port_run(PREFILL_WORKERS)
     ports["decode"] = free_port_run(DECODE_WORKERS)
@@ -190,10 +204,18 @@ def _start_up(log_dir: Path) -> tuple[dict[str, int], subprocess.Popen[bytes], A
     # Conditional disaggregation off: every request moves KV blocks. KV-usage weight 0: the
     # heartbeat-reported usage lags by up to 2 s, and with sequential requests a stale value
     # would steer every new conversation to one worker; ties then rotate over both.
+    # Tracing the standard way, one environment for up and all its children (each names
+    # itself); a short batch delay so that spans arrive while a test waits for them.
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0",
         "PDSERVE_GATEWAY_KV_USAGE_WEIGHT": "0",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"])),
+        "no_proxy": ",".join(filter(None, [os.environ.get("no_proxy"), "127.0.0.1"])),
     }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
     up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)

@@ -10,7 +10,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prefix_routing import PrefixPicker, cacheable_tokens
 from gateway.routing import PickerContext, RouteRequest
 from pdserve.kvindex.hashing import block_hashes
-from pdserve.kvindex.interfaces import BlockOps
+from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable
 from pdserve.kvindex.memory import MemoryIndex
 
 BS = 16
@@ -105,4 +105,21 @@ async def test_a_fuller_kv_cache_weighs_against_a_worker() -> None:
 async def test_without_an_index_it_routes_by_load_only() -> None:
     p0, p1 = StandIn("p0", "prefill", in_flight=2), StandIn("p1", "prefill")
     route = await picker(None).pick(request(100), [p0, p1], [StandIn("d", "decode")], always)
-    assert route.prefill is p1 and route.predicted_cached_tokens == 0
+    # No index, no prediction (a guess of 0 would count every cache hit as "under").
+    assert route.prefill is p1 and route.predicted_cached_tokens is None
+
+
+class DownIndex:
+    async def longest_prefixes(self, *args: Any) -> dict[str, int]:
+        raise IndexUnavailable("connection refused")
+
+
+async def test_with_the_index_down_it_predicts_nothing() -> None:
+    choose = picker(DownIndex())
+    d = StandIn("d", "decode")
+    disaggregated = await choose.pick(request(100), [StandIn("p", "prefill")], [d], always)
+    local = await choose.pick(request(100), [], [d], always)
+    assert disaggregated.prefill is not None and local.prefill is None
+    assert disaggregated.predicted_cached_tokens is None
+    assert local.predicted_cached_tokens is None
+    assert choose.metrics.index_errors._value.get() == 2
