@@ -56,13 +56,34 @@ def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return condition()
 
 
-async def health_check(port: int, then: Callable[[], None] = lambda: None) -> None:
-    """One health check on a new channel; ``then`` runs while the connection is still open."""
+async def health_check(port: int) -> None:
     options = [("grpc.enable_http_proxy", 0)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-        then()
+
+
+# An HTTP/2 client preface and an empty SETTINGS frame: once the server acknowledges those
+# SETTINGS it has read every byte we sent (a process killed with unread bytes resets the
+# connection instead of leaving a socket behind).
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
+
+
+def wait_settings_ack(sock: socket.socket) -> None:
+    while True:
+        header = recv_exact(sock, 9)  # length (3), type, flags, stream id (4)
+        recv_exact(sock, int.from_bytes(header[:3], "big"))
+        if header[3] == 0x4 and header[4] & 0x1:
+            return
 
 
 def test_grpc_server_rebinds_its_port_right_after_a_crash() -> None:
@@ -71,28 +92,24 @@ def test_grpc_server_rebinds_its_port_right_after_a_crash() -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", GRPC_CHILD, str(port)], stdout=subprocess.PIPE, text=True, env=env
     )
-
-    def crash() -> None:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "listening"
-        asyncio.run(health_check(port, then=crash))  # the crash cuts an open connection
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        client.sendall(H2_PREFACE)
+        wait_settings_ack(client)
     finally:
-        if child.poll() is None:
-            crash()
-    assert eventually(lambda: plain_bind_fails(port)), (
-        "no lingering socket: the test proves nothing"
-    )
+        child.send_signal(signal.SIGKILL)  # the crash: the kernel closes the server's side
+        child.wait()
+    with client:  # kept open: the server's side of it lingers on the port
+        assert eventually(lambda: plain_bind_fails(port)), "no lingering socket: proves nothing"
 
-    async def rebind() -> None:
-        server = GrpcServer("127.0.0.1", port, [], [])
-        assert await server.start() == port
-        await health_check(port)
-        await server.stop(0)
+        async def rebind() -> None:
+            server = GrpcServer("127.0.0.1", port, [], [])
+            assert await server.start() == port
+            await health_check(port)
+            await server.stop(0)
 
-    asyncio.run(rebind())
+        asyncio.run(rebind())
 
 
 def test_kv_producer_rebinds_its_port_right_after_a_crash() -> None:
