@@ -1,6 +1,8 @@
 """A private ``redis-server`` on a free loopback port, for ``pdserve up`` and the tests.
 
-It keeps no data on disk (no RDB/AOF) and lives exactly as long as its owner.
+It keeps no data on disk (no RDB/AOF) and lives exactly as long as its owner. ``pdserve up``
+runs ``server_command`` as one of its supervised children (restarted like the others);
+``RedisServer`` starts and stops one directly (tests, benchmarks).
 
 redis-server cannot bind port 0 and report the port, so a free port is chosen and then bound
 by the server a moment later; another process may take it in between. A server that was
@@ -25,10 +27,27 @@ class RedisServerError(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def server_command(port: int) -> list[str]:
+    """The command line of a private server on ``port``; raises ``RedisServerError``."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RedisServerError(
+            "redis-server is not installed (Debian: apt-get install redis-server), "
+            "or pass --redis-url to use an existing Redis"
+        )
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes"]  # fmt: skip
+
+
+def answers(port: int) -> bool:
+    """Whether a Redis answers on ``port`` (blocking, at most about a second)."""
+    return _server_pid(port) is not None
 
 
 def _server_pid(port: int) -> int | None:
@@ -50,7 +69,7 @@ def _server_pid(port: int) -> int | None:
 
 class RedisServer:
     def __init__(self, port: int = 0, log_file: Path | None = None) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self._any_port = port == 0  # until it first starts: then clients know the port
         self.log_file = log_file
         self.process: subprocess.Popen[bytes] | None = None
@@ -61,24 +80,18 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start (again, after ``stop``, on the same port); raises ``RedisServerError``."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RedisServerError(
-                "redis-server is not installed (Debian: apt-get install redis-server), "
-                "or pass --redis-url to use an existing Redis"
-            )
+        server_command(self.port)  # raises if not installed: before any attempt
         for _ in range(START_ATTEMPTS if self._any_port else 1):
-            if self._launch(binary):
+            if self._launch():
                 self._any_port = False
                 return self
             if self._any_port:
-                self.port = _free_port()  # ours was taken meanwhile: another one
+                self.port = free_port()  # ours was taken meanwhile: another one
         raise RedisServerError(f"redis-server did not start on port {self.port}")
 
-    def _launch(self, binary: str) -> bool:
+    def _launch(self) -> bool:
         """True once this process answers; False (and stopped) if it exited or timed out."""
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--protected-mode", "yes"]  # fmt: skip
+        args = server_command(self.port)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.process = process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                                   start_new_session=True)  # fmt: skip

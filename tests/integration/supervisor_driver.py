@@ -2,6 +2,7 @@
 separate process so that it can be signalled like ``pdserve up``.
 
 JSON: {"log_dir": str, "grace_s": float, "startup_timeout_s": float,
+       "on_child_exit": "restart" | "stop-all", "backoff": [initial_s, max_s, reset_after_s],
        "children": [{"name": str, "argv": [str], "url": str | null, "stage": int}]}
 """
 
@@ -12,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.supervisor import ChildSpec, Supervisor, SupervisorOptions
+from pdserve.backoff import Backoff
+from pdserve.supervisor import ChildExitPolicy, ChildSpec, Supervisor, SupervisorOptions
 from pdserve.up import http_ok
 
 READY_LINE = "DRIVER: ALL READY"
@@ -36,6 +38,8 @@ def main() -> int:
         status_interval_s=0.5,
         poll_interval_s=0.1,
         probe_timeout_s=1.0,
+        on_child_exit=ChildExitPolicy(config["on_child_exit"]),
+        backoff=Backoff(*config["backoff"]),
     )
     supervisor = Supervisor(specs, options, on_ready=lambda: print(READY_LINE, flush=True))
     return asyncio.run(supervisor.run())

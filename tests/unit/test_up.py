@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve import settings as shared
+from pdserve.backoff import Backoff
 from pdserve.cli import build_parser
+from pdserve.supervisor import ChildExitPolicy
 from pdserve.up import (
     UpSettings,
     add_arguments,
@@ -21,8 +24,10 @@ from pdserve.up import (
     parse_gpu_list,
     place_engines,
     ready_banner,
+    redis_spec,
     run,
     served_model_name,
+    supervisor_options,
 )
 
 PY = (sys.executable, "-m", "pdserve")
@@ -158,6 +163,48 @@ def test_settings_from_env_and_validation(monkeypatch: pytest.MonkeyPatch) -> No
         parse("--decode", "0")
     with pytest.raises(ValidationError):
         parse("--prefill", "-1")
+
+
+def test_restart_policy_is_the_default_and_maps_to_the_supervisor(tmp_path: Path) -> None:
+    options = supervisor_options(parse(), tmp_path)
+    assert options.on_child_exit is ChildExitPolicy.RESTART
+    assert options.backoff == Backoff(initial_s=1.0, max_s=30.0, reset_after_s=60.0)
+    s = parse("--on-child-exit", "stop-all", "--restart-backoff-s", "0.5",
+              "--restart-backoff-max-s", "4", "--restart-reset-s", "10")  # fmt: skip
+    options = supervisor_options(s, tmp_path)
+    assert options.on_child_exit is ChildExitPolicy.STOP_ALL
+    assert options.backoff == Backoff(initial_s=0.5, max_s=4.0, reset_after_s=10.0)
+    assert (options.log_dir, options.grace_s) == (tmp_path, 20.0)
+
+
+def test_restart_settings_are_validated() -> None:
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse("--on-child-exit", "ignore")
+    with pytest.raises(ValidationError, match="restart_backoff_max_s"):
+        parse("--restart-backoff-s", "10", "--restart-backoff-max-s", "5")
+    with pytest.raises(ValidationError):
+        parse("--restart-backoff-s", "0")
+
+
+def test_private_redis_is_a_child_stopped_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    spec = redis_spec(6390)
+    assert spec.argv[0] == "/usr/bin/redis-server"
+    assert spec.name == "redis" and spec.ready_check is not None
+    assert spec.argv[spec.argv.index("--port") + 1] == "6390"
+    assert spec.argv[spec.argv.index("--bind") + 1] == "127.0.0.1"
+    specs, _ = build_specs(parse(), gpus=[], cores=[0, 1])
+    assert spec.stop_stage > max(s.stop_stage for s in specs), "workers withdraw from it first"
+
+
+def test_run_without_redis_server_says_how_to_get_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    namespace = argparse.Namespace(log_dir=str(tmp_path), http_port=0, grpc_port=0,
+                                   prefill_port=0, decode_port=0, kv_port=0)  # fmt: skip
+    assert run(namespace) == 1
+    assert "redis-server is not installed" in capsys.readouterr().err
 
 
 def test_run_rejects_invalid_settings(capsys: pytest.CaptureFixture[str]) -> None:
