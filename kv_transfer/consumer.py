@@ -27,6 +27,10 @@ from kv_transfer.wire import recv_frame, recv_views, send_frame, tune
 log = logging.getLogger("kv_transfer.consumer")
 
 
+class Unanswered(ConnectionError):
+    """The connection failed before the peer answered the pull (nothing was received)."""
+
+
 class Consumer:
     def __init__(
         self,
@@ -42,6 +46,7 @@ class Consumer:
         self.port = 0
         self.pool = ThreadPoolExecutor(config.max_parallel, thread_name_prefix="kv-pull")
         self.active: dict[str, socket.socket] = {}
+        self.cancelled: set[str] = set()  # active pulls cancelled (never retried)
         self.idle: dict[tuple[str, int], list[socket.socket]] = {}
         self.lock = threading.Lock()
 
@@ -64,15 +69,24 @@ class Consumer:
                     conn.close()
             self.idle.clear()
 
-    def _connect(self, peer: tuple[str, int]) -> socket.socket:
-        """An idle connection to the peer, or a new one (pulls reuse connections)."""
+    def _connect(self, peer: tuple[str, int], reuse: bool = True) -> tuple[socket.socket, bool]:
+        """An idle connection to the peer (pulls reuse connections) or a new one; True when
+        it is a kept one, which may have died with the peer meanwhile."""
         with self.lock:
             conns = self.idle.get(peer)
-            if conns:
-                return conns.pop()
+            if conns and reuse:
+                return conns.pop(), True
         conn = connect(peer[0], peer[1], self.secret, self.config.io_timeout_s)
         tune(conn)
-        return conn
+        return conn, False
+
+    def _forget(self, peer: tuple[str, int]) -> None:
+        """Close every kept connection to ``peer`` (one of them was found dead: the peer
+        restarted, and the others are dead too)."""
+        with self.lock:
+            conns = self.idle.pop(peer, [])
+        for conn in conns:
+            conn.close()
 
     def _keep(self, peer: tuple[str, int], conn: socket.socket) -> None:
         with self.lock:
@@ -81,6 +95,8 @@ class Consumer:
     def _cancel(self, req: str) -> None:
         with self.lock:
             conn = self.active.get(req)
+            if conn is not None:
+                self.cancelled.add(req)
         if conn is not None:
             log.info("cancelling the pull of %s", req)
             with contextlib.suppress(OSError):
@@ -105,10 +121,23 @@ class Consumer:
         peer = (str(job["host"]), int(job["port"]))
         conn = None
         try:
-            conn = self._connect(peer)
+            conn, reused = self._connect(peer)
             with self.lock:
                 self.active[req] = conn
-            result["bytes"] = self._pull(conn, job)
+            try:
+                result["bytes"] = self._pull(conn, job)
+            except Unanswered:
+                with self.lock:
+                    if not reused or req in self.cancelled:
+                        raise
+                # A kept connection whose peer restarted: try once on a fresh one.
+                log.info("kept connection to %s:%s is dead; reconnecting", *peer)
+                conn.close()
+                self._forget(peer)
+                conn, _ = self._connect(peer, reuse=False)
+                with self.lock:
+                    self.active[req] = conn
+                result["bytes"] = self._pull(conn, job)
             result["ok"] = True
         except (OSError, ValueError, KVTransferError) as exc:
             result["error"] = f"KV pull from {peer[0]}:{peer[1]} failed: {exc}"
@@ -116,6 +145,7 @@ class Consumer:
         finally:
             with self.lock:
                 self.active.pop(req, None)
+                self.cancelled.discard(req)
             result["seconds"] = time.perf_counter() - started
             result["blocks"] = len(job["local_blocks"])
             # The bytes are in the cache: report first, then let the producer unpin.
@@ -149,8 +179,11 @@ class Consumer:
             "blocks": remote,
             "digest": job.get("digest", ""),
         }
-        send_frame(conn, {**request, "compat": self.config.compat})
-        header = recv_frame(conn)  # bounded: an answer, never more than CONTROL_FRAME
+        try:
+            send_frame(conn, {**request, "compat": self.config.compat})
+            header = recv_frame(conn)  # bounded: an answer, never more than CONTROL_FRAME
+        except (ConnectionError, BrokenPipeError) as exc:  # closed before any answer
+            raise Unanswered(f"the peer closed the connection before answering: {exc}") from exc
         if not header.get("ok"):
             raise KVTransferError(str(header.get("error", "refused")))
         if int(header["nbytes"]) != expected:

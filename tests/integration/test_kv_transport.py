@@ -155,3 +155,21 @@ def test_many_pulls_reuse_connections_and_stay_correct(pair: Pair) -> None:
         assert next_message(pair.producer)["reason"] == "sent"
         src = bench.blocks_digest(pair.p_mem, pair.p_layout, blocks)
         assert bench.blocks_digest(pair.c_mem, pair.c_layout, [(n + 1) % 8, (n + 5) % 8]) == src
+
+
+def test_pull_after_the_producer_restarted_reconnects(pair: Pair) -> None:
+    """A kept connection to a prefill worker that restarted (same port) is dead: the next pull
+    reconnects once and succeeds instead of failing the request."""
+    pair.serve("before", [0])
+    pair.pull("before", remote=[0], local=[1])
+    assert next_message(pair.consumer)["ok"]  # the consumer now keeps a connection
+    port = pair.producer.port
+    pair.producer.stop()
+    pair.producer = bench.start_agent("producer", pair.p_fd, pair.p_layout, port=port)
+    assert pair.producer.port == port
+    pair.serve("after", [2, 3])
+    pair.pull("after", remote=[2, 3], local=[4, 5])
+    done = next_message(pair.consumer)
+    assert done["ok"], done
+    src = bench.blocks_digest(pair.p_mem, pair.p_layout, [2, 3])
+    assert bench.blocks_digest(pair.c_mem, pair.c_layout, [4, 5]) == src
