@@ -90,7 +90,9 @@ class IndexLink:
         # incarnation of this name then leaves the new entries alone.
         with contextlib.suppress(IndexUnavailable):
             await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
-        sink = EventSink(self.store, info.served_model_name, s.name, self.endpoints)
+        sink = EventSink(
+            self.store, info.served_model_name, s.name, self.endpoints, info.num_kv_blocks
+        )
         self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
 
     async def _heartbeat(self) -> None:
