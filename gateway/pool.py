@@ -63,6 +63,15 @@ class Worker(Generic[C]):
         """The worker's own name (its key in the prefix index); the address until known."""
         return self.capabilities.worker_id if self.capabilities else self.address
 
+    def reported(self, name: str) -> float:
+        """A ``WorkerLoad`` field as the worker last reported it: in its heartbeat (through
+        the registry) when that has it, else in its capabilities; 0 when neither does."""
+        if name in self.reported_load:
+            return float(self.reported_load[name])
+        if self.capabilities is not None and hasattr(self.capabilities.load, name):
+            return float(getattr(self.capabilities.load, name))
+        return 0.0
+
     def kv_usage(self) -> float:
         """Fraction of the worker's KV cache in use, as it last reported (0..1)."""
         if "kv_usage" in self.reported_load:

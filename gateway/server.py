@@ -28,6 +28,7 @@ from gateway.offload import Offload
 from gateway.pool import WorkerPool
 from gateway.routing import PickerContext, make_picker
 from gateway.service import GenerationService
+from gateway.worker_metrics import WorkerCollector
 from pdserve.grpc_server import GrpcServer
 from pdserve.kvindex.redis_store import RedisStore
 from protos.v1 import generate_pb2_grpc
@@ -74,6 +75,9 @@ class GatewayServer:
         self._tokenizer = tokenizer
         self.metrics = GatewayMetrics()
         self.pool = WorkerPool(settings)
+        self.metrics.registry.register(
+            WorkerCollector(lambda: [*self.pool.prefill, *self.pool.decode])
+        )
         # Templates, tokenization and block hashing run on these threads (gateway.offload).
         self.offload = Offload(settings.prompt_threads)
         self.service: GenerationService | None = None

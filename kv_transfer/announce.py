@@ -36,9 +36,10 @@ class Announcer:
         self.thread = threading.Thread(target=self._run, name="kv-announce", daemon=True)
         self.thread.start()
 
-    def announce(self, req: str, blocks: list[int], digest: str) -> None:
+    def announce(self, req: str, blocks: list[int], digest: str, key: str = "") -> None:
         """Never blocks: the message is sent by the announcer's thread."""
-        self.queue.put({"op": "serve", "req": req, "blocks": blocks, "digest": digest})
+        message = {"op": "serve", "req": req, "blocks": blocks, "digest": digest, "key": key}
+        self.queue.put(message)
 
     def close(self) -> None:
         self.queue.put(None)

@@ -6,13 +6,21 @@ only with a prefill worker that runs without one. Each call opens one short conn
 
 from __future__ import annotations
 
+from typing import Any
+
 from kv_transfer.auth import connect
 from kv_transfer.wire import recv_frame, send_frame
 
+# The ``kv_transfer_params`` entry of a prefill request that names its job for
+# ``release_by_key`` (the engine renames requests; the caller knows only its own id).
+RELEASE_KEY = "pdserve_release_key"
 
-def _call(op: str, host: str, port: int, req: str, timeout_s: float, secret: bytes | None) -> bool:
+
+def _call(
+    message: dict[str, Any], host: str, port: int, timeout_s: float, secret: bytes | None
+) -> bool:
     with connect(host, port, secret, timeout_s) as conn:
-        send_frame(conn, {"op": op, "req": req})
+        send_frame(conn, message)
         return bool(recv_frame(conn).get("found"))
 
 
@@ -25,7 +33,18 @@ def release(
     Raises OSError when the agent cannot be reached, ``AuthenticationFailed`` (a
     ``KVTransferError``) when it does not accept this secret.
     """
-    return _call("release", host, port, req, timeout_s, secret)
+    return _call({"op": "release", "req": req}, host, port, timeout_s, secret)
+
+
+def release_by_key(
+    host: str, port: int, key: str, timeout_s: float = 5.0, *, secret: bytes | None = None
+) -> bool:
+    """As ``release``, for the job whose prefill request carried ``RELEASE_KEY: key``.
+
+    The prefill worker's own abort path: it knows its request id, not the engine's, and its
+    abort may come before, while or after the engine finishes the prompt. True if held.
+    """
+    return _call({"op": "release", "key": key}, host, port, timeout_s, secret)
 
 
 def renew(
@@ -37,4 +56,4 @@ def renew(
     few seconds (well within ``lease_s``). True if the agent holds the request's blocks (False:
     unknown, already pulled or released, or its lease ran out). Raises as ``release`` does.
     """
-    return _call("renew", host, port, req, timeout_s, secret)
+    return _call({"op": "renew", "req": req}, host, port, timeout_s, secret)

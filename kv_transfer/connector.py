@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kv_transfer import compat
 from kv_transfer.announce import Announcer
 from kv_transfer.auth import load_secret
+from kv_transfer.lifecycle import LifecycleStats
 from kv_transfer.metadata import StepMetadata
 from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
 from kv_transfer.worker import WorkerSide
@@ -157,8 +158,18 @@ class PdserveConnector(KVConnectorBase_V1):
             self.consumer.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self.consumer is not None:
-            self.consumer.update_connector_output(connector_output)
+        half = self.producer or self.consumer
+        if half is not None:
+            half.update_connector_output(connector_output)
+
+    def get_kv_connector_stats(self) -> LifecycleStats | None:
+        """Scheduler role: the blocks and leases held now (``kv_transfer.lifecycle``)."""
+        half = self.producer or self.consumer
+        return LifecycleStats(data=dict(half.lifecycle())) if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LifecycleStats:
+        return LifecycleStats(data=dict(data or {}))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self.producer is not None:

@@ -42,6 +42,7 @@ class StepMetadata(KVConnectorMetadata):
 
     serve: dict[str, list[int]] = field(default_factory=dict)  # producer: req -> blocks
     serve_digests: dict[str, str] = field(default_factory=dict)  # producer: req -> prompt digest
+    serve_keys: dict[str, str] = field(default_factory=dict)  # producer: req -> release key
     pull: list[PullJob] = field(default_factory=list)  # consumer
     release: list[ReleaseJob] = field(default_factory=list)  # consumer
 

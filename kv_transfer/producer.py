@@ -6,6 +6,9 @@ finished the prefill; a decode worker's pull may arrive before that, so a pull w
 ``finished`` so the engine unpins the blocks: after a completed pull ("sent"), a failed one
 ("error"), an explicit release ("released"), or when its lease runs out ("lease"). A job is
 never expired while its blocks are being sent; ``renew`` pushes an unpulled job's lease out.
+A job may carry a ``key`` (the prefill worker's own request id, which the engine does not
+know): the worker's service releases by that key when the request is aborted, also when the
+abort overtakes the job's registration (the release is then applied on arrival).
 
 Only peers that pass the handshake of ``kv_transfer.auth`` may pull, release or renew; the
 number of connections served at once is capped, every frame is bounded before it is read, and
@@ -57,6 +60,7 @@ class Job:
     deadline: float
     digest: str = ""
     in_flight: bool = False
+    key: str = ""
 
 
 class Producer:
@@ -72,7 +76,9 @@ class Producer:
         self.reporter = reporter
         self.secret = secret
         self.jobs: dict[str, Job] = {}
-        self.early_releases: dict[str, float] = {}
+        self.keys: dict[str, str] = {}  # job key -> request id
+        # Releases that overtook their job, by ("req" | "key", name) -> when they came.
+        self.early_releases: dict[tuple[str, str], float] = {}
         self.recently_ended: OrderedDict[str, None] = OrderedDict()
         self.cond = threading.Condition()
         self.closed = False
@@ -98,14 +104,19 @@ class Producer:
         later by the worker process; whichever comes first registers it, the other is a
         no-op (also after the job ended: ``recently_ended``)."""
         req, blocks = str(message["req"]), [int(b) for b in message["blocks"]]
-        digest = str(message.get("digest") or "")
+        digest, key = str(message.get("digest") or ""), str(message.get("key") or "")
         with self.cond:
             if req in self.jobs or req in self.recently_ended:
                 return
-            if self.early_releases.pop(req, None) is not None:
+            early = self.early_releases.pop(("req", req), None)
+            if key:
+                early = self.early_releases.pop(("key", key), None) or early
+            if early is not None:
                 self._finish(req, "released")
                 return
-            self.jobs[req] = Job(blocks, time.monotonic() + self.config.lease_s, digest)
+            self.jobs[req] = Job(blocks, time.monotonic() + self.config.lease_s, digest, key=key)
+            if key:
+                self.keys[key] = req
             self.cond.notify_all()
 
     def close(self) -> None:
@@ -114,7 +125,9 @@ class Producer:
 
     def _finish(self, req: str, reason: str, **stats: Any) -> None:
         """Report the job's end; caller holds ``cond`` (reporting never blocks)."""
-        self.jobs.pop(req, None)
+        job = self.jobs.pop(req, None)
+        if job is not None and job.key:
+            self.keys.pop(job.key, None)
         self.recently_ended[req] = None
         while len(self.recently_ended) > MAX_RECENTLY_ENDED:
             self.recently_ended.popitem(last=False)
@@ -129,9 +142,9 @@ class Producer:
                     if not job.in_flight and job.deadline < now:
                         log.warning("lease of %s expired unpulled; unpinning its blocks", req)
                         self._finish(req, "lease")
-                for req, t in list(self.early_releases.items()):
+                for name, t in list(self.early_releases.items()):
                     if t + EARLY_RELEASE_TTL_S < now:
-                        del self.early_releases[req]
+                        del self.early_releases[name]
 
     # ---- network side ------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -195,7 +208,10 @@ class Producer:
         if op == "pull":
             self._serve_pull(conn, request)
         elif op == "release":
-            send_frame(conn, {"ok": True, "found": self._release(str(request["req"]))})
+            by, name = (
+                ("key", str(request["key"])) if "key" in request else ("req", str(request["req"]))
+            )
+            send_frame(conn, {"ok": True, "found": self._release(name, by)})
         elif op == "renew":
             send_frame(conn, {"ok": True, "found": self._renew(str(request["req"]))})
         elif op == "serve":  # from this worker's own engine scheduler; no answer
@@ -204,21 +220,24 @@ class Producer:
         else:
             send_frame(conn, {"ok": False, "error": f"unknown operation {op!r}"})
 
-    def _release(self, req: str) -> bool:
+    def _release(self, name: str, by: str = "req") -> bool:
+        """Unpin the job of request id (``by="req"``) or key (``by="key"``) ``name`` unless it
+        is being pulled; unknown yet: unpin it when it registers. True if it was held."""
         with self.cond:
+            req = self.keys.get(name, "") if by == "key" else name
             job = self.jobs.get(req)
             if job is None:
-                self._remember_early_release(req)
+                self._remember_early_release((by, name))
                 return False
             if not job.in_flight:
                 self._finish(req, "released")
             return True
 
-    def _remember_early_release(self, req: str) -> None:
+    def _remember_early_release(self, name: tuple[str, str]) -> None:
         """Caller holds ``cond``. Bounded: the oldest is forgotten first (its lease still
         unpins the blocks, later)."""
-        self.early_releases.pop(req, None)
-        self.early_releases[req] = time.monotonic()
+        self.early_releases.pop(name, None)
+        self.early_releases[name] = time.monotonic()
         while len(self.early_releases) > MAX_EARLY_RELEASES:
             del self.early_releases[next(iter(self.early_releases))]
 

@@ -5,6 +5,12 @@ side where to pull them from, in vLLM's ``kv_transfer_params`` contract. ``Consu
 (decode worker) asks vLLM to wait for the blocks that its local prefix cache lacks, has the
 worker pull exactly those, and records what the engine computed itself, so every finished
 request reports its transfer statistics (returned as ``kv_transfer_params["pdserve"]``).
+
+Both halves account for the KV blocks they hold outside vLLM's normal life of a request
+(``lifecycle``, reported with every engine step's statistics): the producer the blocks pinned
+for decode workers, the consumer the blocks allocated for pulls and the hand-offs it has not
+pulled yet. A decode request aborted before its pull started releases the prefill worker's
+blocks at once.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from vllm.v1.request import RequestStatus
 
 from kv_transfer import seal
 from kv_transfer.announce import Announcer
+from kv_transfer.client import RELEASE_KEY
 from kv_transfer.errors import PromptMismatch
 from kv_transfer.metadata import PullJob, ReleaseJob, StepMetadata, TransferReport
 
@@ -48,6 +55,8 @@ class ProducerScheduler:
         self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
         self.to_serve: dict[str, list[int]] = {}
         self.digests: dict[str, str] = {}
+        self.keys: dict[str, str] = {}
+        self.pinned: dict[str, int] = {}  # request id -> blocks pinned until sent or released
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
@@ -56,10 +65,13 @@ class ProducerScheduler:
         if request.status not in PINNABLE or not block_ids:
             return False, None  # aborted or failed: nothing for a decode worker to pull
         digest = seal.prompt_digest(request.prompt_token_ids)
+        key = str(params.get(RELEASE_KEY) or "")
         self.to_serve[request.request_id] = list(block_ids)
         self.digests[request.request_id] = digest
+        self.keys[request.request_id] = key
+        self.pinned[request.request_id] = len(block_ids)
         if self.announcer is not None:  # registered now, not one engine step later
-            self.announcer.announce(request.request_id, list(block_ids), digest)
+            self.announcer.announce(request.request_id, list(block_ids), digest, key)
         handoff = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -76,9 +88,18 @@ class ProducerScheduler:
         return True, seal.seal(handoff, self.secret)
 
     def build_meta(self, scheduler_output: Any) -> StepMetadata:
-        meta = StepMetadata(serve=self.to_serve, serve_digests=self.digests)
-        self.to_serve, self.digests = {}, {}
+        meta = StepMetadata(serve=self.to_serve, serve_digests=self.digests, serve_keys=self.keys)
+        self.to_serve, self.digests, self.keys = {}, {}, {}
         return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        """vLLM frees the blocks of every request reported as finished sending."""
+        for req_id in output.finished_sending or ():
+            self.pinned.pop(req_id, None)
+
+    def lifecycle(self) -> dict[str, int]:
+        """Blocks pinned for decode workers and the jobs (leases) that pin them."""
+        return {"pinned_blocks": sum(self.pinned.values()), "leases": len(self.pinned)}
 
 
 @dataclass
@@ -104,9 +125,21 @@ class ConsumerScheduler:
         self.to_pull: list[PullJob] = []
         self.to_release: list[ReleaseJob] = []
         self.stats: dict[str, RequestStats] = {}
+        # Hand-offs not acted on yet (request queued) and blocks allocated for running pulls:
+        # vLLM frees a pull's blocks only when the worker reports it received (or failed).
+        self.expecting: set[str] = set()
+        self.pulling: dict[str, int] = {}
 
     def on_new_request(self, request: Any) -> None:
         self.stats[request.request_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("remote_block_ids"):
+            self.expecting.add(request.request_id)
+
+    def lifecycle(self) -> dict[str, int]:
+        """Blocks allocated for pulls in progress; hand-offs held (queued or being pulled)."""
+        leases = len(self.expecting | self.pulling.keys())
+        return {"pinned_blocks": sum(self.pulling.values()), "leases": leases}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -119,6 +152,7 @@ class ConsumerScheduler:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill"):
             return
+        self.expecting.discard(request.request_id)
         params["do_remote_prefill"] = False  # exactly one transfer per request
         try:
             seal.verify(params, request.prompt_token_ids, self.secret)
@@ -129,6 +163,7 @@ class ConsumerScheduler:
             local = blocks.get_unhashed_block_ids() if num_external > 0 else []
             if local:
                 self.to_pull.append(PullJob(request.request_id, "", 0, "", [], local, str(exc)))
+                self.pulling[request.request_id] = len(local)
             return
         port = int(params["remote_port"])
         if num_external <= 0:
@@ -159,6 +194,7 @@ class ConsumerScheduler:
                 digest=str(params.get(seal.DIGEST, "")),
             )
         )
+        self.pulling[request.request_id] = len(local)
         stats = self.stats.get(request.request_id)
         if stats is not None:
             stats.local_cached_tokens = request.num_prompt_tokens - num_external
@@ -183,6 +219,8 @@ class ConsumerScheduler:
                 stats.prompt_computed += max(0, end - done)
 
     def update_connector_output(self, output: Any) -> None:
+        for req_id in output.finished_recving or ():
+            self.pulling.pop(req_id, None)  # vLLM frees or keeps them for the request now
         report = output.kv_connector_worker_meta
         if not isinstance(report, TransferReport):
             return
@@ -199,5 +237,24 @@ class ConsumerScheduler:
                 stats.transfer_error = str(result.get("error", "KV transfer failed"))
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
+        if request.request_id in self.expecting:
+            # Finished (aborted) while queued: its hand-off will never be pulled, so the
+            # prefill worker unpins the blocks now rather than when the lease runs out.
+            self.expecting.discard(request.request_id)
+            self._release_unpulled(request.kv_transfer_params or {})
         stats = self.stats.pop(request.request_id, None)
         return False, ({"pdserve": stats.as_params()} if stats else None)
+
+    def _release_unpulled(self, params: dict[str, Any]) -> None:
+        if not seal.is_genuine(params, self.secret):
+            return  # never act on a forged hand-off (the decode service refuses those)
+        try:
+            job = ReleaseJob(
+                str(params["remote_host"]),
+                int(params["remote_port"]),
+                str(params["remote_request_id"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            log.warning("cannot release an unpulled hand-off: its address is incomplete")
+            return
+        self.to_release.append(job)

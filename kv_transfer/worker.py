@@ -108,8 +108,15 @@ class WorkerSide:
         assert self.agent is not None
         for req, blocks in meta.serve.items():
             self.served.add(req)
-            digest = meta.serve_digests.get(req, "")
-            self.agent.channel.send({"op": "serve", "req": req, "blocks": blocks, "digest": digest})
+            self.agent.channel.send(
+                {
+                    "op": "serve",
+                    "req": req,
+                    "blocks": blocks,
+                    "digest": meta.serve_digests.get(req, ""),
+                    "key": meta.serve_keys.get(req, ""),
+                }
+            )
         for job in meta.pull:
             if job.error:
                 self.failed_now.append(

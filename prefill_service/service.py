@@ -1,19 +1,22 @@
 """Prefill core: compute a prompt, keep its KV blocks pinned, return where to pull them.
 
 The engine runs the prompt with ``max_tokens=1`` and ``do_remote_decode``; the connector pins
-the blocks under a lease and returns the hand-off. ``abort`` of a request that already
-finished unpins its blocks at once instead of waiting for the lease.
+the blocks under a lease and returns the hand-off. ``abort`` stops the prompt if it is still
+running and unpins its blocks at once if the engine finished it, whether this service saw the
+hand-off or not (the RPC may have been cancelled meanwhile): the transfer process knows each
+job by this service's request id too (``RELEASE_KEY``), and applies a release that overtakes
+the job when the job arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.client import release
+from kv_transfer import CONNECTOR_NAME
+from kv_transfer.client import RELEASE_KEY, release_by_key
 from kv_transfer.errors import KVTransferError
 from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, WorkerError
@@ -36,7 +39,8 @@ class PrefillService(WorkerService):
         super().__init__(*args)
         config = getattr(self.engine, "vllm_config", None)
         self.tp_size = int(config.parallel_config.tensor_parallel_size) if config else 1
-        self.pinned: dict[str, tuple[str, float]] = {}  # request id -> (engine id, expiry)
+        # Only pdserve's connector has transfer processes to release jobs on.
+        self.own_connector = self.info.kv_connector == CONNECTOR_NAME
 
     async def prefill(self, request_id: str, token_ids: list[int]) -> PrefillResult:
         from vllm import SamplingParams, TokensPrompt
@@ -49,10 +53,11 @@ class PrefillService(WorkerService):
                 f"prompt has {len(token_ids)} tokens; the model's context is "
                 f"{self.info.max_model_len} tokens"
             )
+        handoff_request: dict[str, Any] = {"do_remote_decode": True}
+        if self.own_connector:
+            handoff_request[RELEASE_KEY] = request_id
         params = SamplingParams(
-            max_tokens=1,
-            detokenize=False,
-            extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+            max_tokens=1, detokenize=False, extra_args={"kv_transfer_params": handoff_request}
         )
         final = None
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
@@ -66,7 +71,6 @@ class PrefillService(WorkerService):
         if final is None or not final.kv_transfer_params:
             raise WorkerError("the prefill engine returned no KV hand-off")
         handoff = dict(final.kv_transfer_params)
-        self._remember(request_id, str(handoff.get("remote_request_id", "")))
         tokens = final.outputs[0].token_ids if final.outputs else []
         phases = EnginePhases.of(final)
         phases.trace()
@@ -78,17 +82,10 @@ class PrefillService(WorkerService):
             phases=phases,
         )
 
-    def _remember(self, request_id: str, engine_request_id: str) -> None:
-        now = time.monotonic()
-        for key, (_, expiry) in list(self.pinned.items()):
-            if expiry < now:
-                del self.pinned[key]
-        self.pinned[request_id] = (engine_request_id, now + self.settings.kv_lease_s)
-
     async def abort(self, request_id: str) -> bool:
-        pinned = self.pinned.pop(request_id, None)
-        if pinned is None:
-            await self.engine.abort(request_id)
+        """Stop the prompt and unpin its blocks; True if blocks were pinned for it."""
+        await self.engine.abort(request_id)
+        if not self.own_connector:
             return False
         host = self.settings.kv_bind_host or self.settings.host
         host = "127.0.0.1" if host in ("", "0.0.0.0") else host
@@ -96,7 +93,9 @@ class PrefillService(WorkerService):
         for rank in range(self.tp_size):  # every TP rank's agent pins its share of the blocks
             port = self.settings.kv_port + rank
             try:
-                found |= await asyncio.to_thread(release, host, port, pinned[0], secret=self.secret)
+                found |= await asyncio.to_thread(
+                    release_by_key, host, port, request_id, secret=self.secret
+                )
             except (OSError, KVTransferError) as exc:
                 log.warning("could not unpin %s: %s (its lease will)", request_id, exc)
         return found

@@ -31,6 +31,14 @@ class PrefixIndex(Protocol):
     async def clear_worker(self, model: str, worker: str) -> None:
         """Forget every block of ``worker`` (restart with a new epoch, death, rebuild)."""
 
+    async def replace_worker(self, model: str, worker: str, hashes: Sequence[int]) -> None:
+        """Make ``hashes`` exactly the blocks of ``worker`` (the worker's own copy, after the
+        index lost it). A reader sees the old set or a growing part of the new one, never a
+        block the worker does not hold."""
+
+    async def worker_block_count(self, model: str, worker: str) -> int:
+        """How many blocks the index holds for ``worker``."""
+
     async def longest_prefixes(
         self, model: str, hashes: Sequence[int], workers: Sequence[str]
     ) -> dict[str, int]:

@@ -33,3 +33,7 @@ class Keys:
     def namespace(self, model: str) -> str:
         """Key prefix of one model's block index (block and reverse keys hang off it)."""
         return f"{self.prefix}:{model}"
+
+    def worker_blocks(self, model: str, worker: str) -> str:
+        """The reverse index of one worker: the hashes of the blocks it holds."""
+        return f"{self.namespace(model)}:w:{worker}"

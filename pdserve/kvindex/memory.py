@@ -30,6 +30,12 @@ class MemoryIndex:
         for h in self.by_worker.pop((model, worker), set()):
             self.blocks[(model, h)].discard(worker)
 
+    async def replace_worker(self, model: str, worker: str, hashes: Sequence[int]) -> None:
+        await self.apply(model, worker, [BlockOps(cleared=True, stored=hashes)])
+
+    async def worker_block_count(self, model: str, worker: str) -> int:
+        return len(self.by_worker.get((model, worker), ()))
+
     async def longest_prefixes(
         self, model: str, hashes: Sequence[int], workers: Sequence[str]
     ) -> dict[str, int]:

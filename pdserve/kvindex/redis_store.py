@@ -102,6 +102,9 @@ def _encode(ops: Sequence[BlockOps]) -> list[str | int]:
 
 
 MAX_CONNECTIONS = 64  # per process; more concurrent calls wait for a free one
+# Hashes per script call of ``replace_worker``: one call runs atomically and blocks Redis
+# meanwhile, so a large cache is written in parts.
+REPLACE_CHUNK = 10_000
 
 
 class RedisStore:
@@ -142,6 +145,17 @@ class RedisStore:
 
     async def clear_worker(self, model: str, worker: str) -> None:
         await self.apply(model, worker, [BlockOps(cleared=True)])
+
+    async def replace_worker(self, model: str, worker: str, hashes: Sequence[int]) -> None:
+        """The first part clears the worker's entries in the same script that stores the
+        first hashes; the later parts only add (each part atomic)."""
+        parts = [hashes[i : i + REPLACE_CHUNK] for i in range(0, len(hashes), REPLACE_CHUNK)]
+        await self.apply(model, worker, [BlockOps(cleared=True, stored=parts[0] if parts else [])])
+        for part in parts[1:]:
+            await self.apply(model, worker, [BlockOps(stored=part)])
+
+    async def worker_block_count(self, model: str, worker: str) -> int:
+        return int(await self._call(self.client.scard(self.keys.worker_blocks(model, worker))))
 
     async def longest_prefixes(
         self, model: str, hashes: Sequence[int], workers: Sequence[str]

@@ -2,11 +2,14 @@
 
 The engine publishes each step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
 events on a local ZMQ socket with a sequence number, and keeps the last steps for replay.
-``EventSink`` subscribes, applies every step atomically to the index, and repairs what it
-missed: a sequence gap is filled from the replay buffer; after the index was unreachable,
-the worker's entries are cleared and rebuilt from the whole buffer once it is back. When
-the stream is quiet the sink asks the buffer for anything newer, so a lost last step is
-found even if no further step follows.
+``EventSink`` subscribes, keeps its own copy of the engine's cached blocks (``BlockMirror``),
+and applies every step atomically to the index. It repairs what it missed: a sequence gap is
+filled from the replay buffer; when the stream is quiet it asks the buffer for anything newer,
+so a lost last step is found even if no further step follows. Whenever the index may have
+lost this worker's entries (a write failed: Redis was unreachable; or, checked every
+``CHECK_S``, the index holds another number of blocks than the copy: Redis restarted empty,
+was flushed, or a gateway reaped the worker), the sink rewrites the worker's whole set from
+its copy, however old the blocks are (vLLM's replay buffer holds only recent steps).
 
 Both sockets are ``ipc://`` paths in a private temporary directory, not loopback TCP ports:
 a port chosen as "free" here would be bound by the engine a minute later, after it loads,
@@ -31,12 +34,14 @@ import zmq.asyncio
 
 from pdserve.kvindex.hashing import MASK_64
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, PrefixIndex
+from pdserve.worker.block_mirror import BlockMirror
 
 log = logging.getLogger(__name__)
 
 TOPIC = b"kv"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_TIMEOUT_MS = 3000
+CHECK_S = 2.0  # how often the index's count of this worker's blocks is compared with the copy
 
 
 # A unix socket path is at most 107 bytes; a longer temporary directory is not used.
@@ -102,8 +107,14 @@ def to_ops(events: Iterable[Any]) -> list[BlockOps]:
 
 class EventSink:
     def __init__(
-        self, index: PrefixIndex, model: str, worker: str, endpoints: EventEndpoints
+        self,
+        index: PrefixIndex,
+        model: str,
+        worker: str,
+        endpoints: EventEndpoints,
+        max_blocks: int = 0,
     ) -> None:
+        """``max_blocks``: the engine's KV block count (bounds the copy; 0: unbounded)."""
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
@@ -111,9 +122,14 @@ class EventSink:
         self.publish, self.replay = endpoints.publish, endpoints.replay
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.context = zmq.asyncio.Context()
+        self.mirror = BlockMirror(max_blocks)
         self.last_seq = -1
-        self.dirty = True  # start from a clean slate: the previous incarnation's entries go
+        # The index must be rewritten from the copy; at start too, so that the previous
+        # incarnation's entries go.
+        self.dirty = True
+        self.next_check = 0.0
         self.applied_steps = 0
+        self.rewrites = 0
 
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
@@ -121,10 +137,13 @@ class EventSink:
         # publishes before the subscription reaches it is replayed.
         sub.connect(self.publish)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 if self.dirty:
-                    await self._rebuild()
+                    await self._rewrite()
+                elif loop.time() >= self.next_check:
+                    await self._check()
                 try:
                     frames = await asyncio.wait_for(sub.recv_multipart(), timeout=1.0)
                 except TimeoutError:
@@ -139,39 +158,61 @@ class EventSink:
             self.context.term()
 
     async def _on_step(self, seq: int, payload: bytes) -> None:
-        if self.dirty or seq <= self.last_seq:
-            return  # a rebuild will cover it / already applied
+        if seq <= self.last_seq:
+            return  # already applied
         if seq > self.last_seq + 1:
             log.info("KV events %d..%d missed; replaying them", self.last_seq + 1, seq - 1)
             await self._replay_from(self.last_seq + 1)
-            if self.dirty or seq <= self.last_seq:
+            if seq <= self.last_seq:
                 return
         await self._apply(seq, payload)
 
     async def _apply(self, seq: int, payload: bytes) -> None:
-        try:
-            await self.index.apply(
-                self.model, self.worker, to_ops(self.decoder.decode(payload).events)
-            )
-        except IndexUnavailable as exc:
-            if not self.dirty:
-                log.warning("prefix index unavailable (%s); will rebuild when it is back", exc)
-            self.dirty = True
-            return
+        """Apply one step to the copy, and to the index unless it awaits a rewrite anyway."""
+        ops = to_ops(self.decoder.decode(payload).events)
+        dropped = self.mirror.apply(ops)
+        if dropped:
+            ops.append(BlockOps(removed=dropped))
         self.last_seq = seq
         self.applied_steps += 1
-
-    async def _rebuild(self) -> None:
-        """Clear this worker's entries and re-apply every step the engine still buffers."""
+        if self.dirty:
+            return
         try:
-            await self.index.clear_worker(self.model, self.worker)
+            await self.index.apply(self.model, self.worker, ops)
+        except IndexUnavailable as exc:
+            log.warning("prefix index unavailable (%s); will rewrite it when it is back", exc)
+            self.dirty = True
+
+    async def _check(self) -> None:
+        """Does the index still hold as many blocks of this worker as the copy?"""
+        self.next_check = asyncio.get_running_loop().time() + CHECK_S
+        try:
+            held = await self.index.worker_block_count(self.model, self.worker)
+        except IndexUnavailable as exc:
+            log.warning("prefix index unavailable (%s); will rewrite it when it is back", exc)
+            self.dirty = True
+            return
+        if held != len(self.mirror):
+            log.warning(
+                "prefix index holds %d blocks of %s, its engine %d (Redis restarted or "
+                "flushed?); rewriting them",
+                held,
+                self.worker,
+                len(self.mirror),
+            )
+            self.dirty = True
+
+    async def _rewrite(self) -> None:
+        """Replace this worker's entries with the copy's whole set."""
+        try:
+            await self.index.replace_worker(self.model, self.worker, self.mirror.hashes())
         except IndexUnavailable:
             await asyncio.sleep(1.0)
             return
-        self.dirty, self.last_seq = False, -1
-        await self._replay_from(0)
-        if not self.dirty:
-            log.info("prefix index of %s rebuilt up to step %d", self.worker, self.last_seq)
+        self.dirty = False
+        self.rewrites += 1
+        self.next_check = asyncio.get_running_loop().time() + CHECK_S
+        log.info("prefix index of %s rewritten: %d blocks", self.worker, len(self.mirror))
 
     async def _replay_from(self, start: int) -> None:
         dealer = self.context.socket(zmq.DEALER)
@@ -188,8 +229,6 @@ class EventSink:
                     if seq > self.last_seq + 1 and self.last_seq >= 0:
                         log.warning("KV events before %d are gone from the buffer", seq)
                     await self._apply(seq, payload)
-                    if self.dirty:
-                        return
             log.warning("no answer from the engine's KV event replay; continuing live")
         finally:
             dealer.close(linger=0)

@@ -25,27 +25,40 @@ TTL_HEARTBEATS = 3  # missed heartbeats before a worker counts as dead
 
 @dataclass
 class Load:
-    """Updated by the engine's stat logger (running, waiting, kv_usage) and the service."""
+    """Updated by the engine's stat logger (running, waiting, kv_usage, the KV connector's
+    pinned_blocks and leases, engine_steps) and the service (in_flight)."""
 
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0
+    # KV blocks held for transfers (prefill: pinned for decode workers; decode: allocated
+    # for pulls) and the requests holding them (see kv_transfer.lifecycle).
+    pinned_blocks: int = 0
+    leases: int = 0
+    # Engine steps so far: an engine with requests whose count stands still is hung.
+    engine_steps: int = 0
 
 
 def stat_logger_for(load: Load) -> Any:
     """A vLLM stat-logger factory that copies the scheduler's statistics into ``load``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
+    from kv_transfer.lifecycle import gauges
+
     class LoadLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             pass
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
-            if scheduler_stats is not None:
+            if scheduler_stats is not None:  # one per engine step
+                load.engine_steps += 1
                 load.running = scheduler_stats.num_running_reqs
                 load.waiting = scheduler_stats.num_waiting_reqs
                 load.kv_usage = float(scheduler_stats.kv_cache_usage)
+                held = gauges(scheduler_stats.kv_connector_stats)
+                if held is not None:
+                    load.pinned_blocks, load.leases = held
 
         def log_engine_initialized(self) -> None:
             pass
@@ -77,7 +90,9 @@ class IndexLink:
         # incarnation of this name then leaves the new entries alone.
         with contextlib.suppress(IndexUnavailable):
             await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
-        sink = EventSink(self.store, info.served_model_name, s.name, self.endpoints)
+        sink = EventSink(
+            self.store, info.served_model_name, s.name, self.endpoints, info.num_kv_blocks
+        )
         self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
 
     async def _heartbeat(self) -> None:

@@ -105,6 +105,9 @@ class ServicerBase:
                 waiting=service.load.waiting,
                 kv_usage=service.load.kv_usage,
                 in_flight=service.load.in_flight,
+                pinned_blocks=service.load.pinned_blocks,
+                leases=service.load.leases,
+                engine_steps=service.load.engine_steps,
             ),
             index_keys=worker_pb2.PrefixIndexKeys(
                 hash_seed=service.settings.hash_seed,

@@ -161,13 +161,19 @@ class PrefixIndexKeys(_message.Message):
     def __init__(self, hash_seed: _Optional[int] = ..., redis_prefix: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "in_flight")
+    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     in_flight: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    pinned_blocks: int
+    leases: int
+    engine_steps: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ...) -> None: ...

@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
+from pdserve.kvindex.interfaces import BlockOps
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.redis_server import RedisServer
 from pdserve.tasks import cancel_and_wait
+from pdserve.worker.block_mirror import BlockMirror
+from pdserve.worker.config import WorkerSettings
+from pdserve.worker.engine import EngineInfo
 from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
+from pdserve.worker.registration import IndexLink, Load
 
 M, W = "model", "prefill-0"
 
@@ -33,14 +38,14 @@ def removed(*hashes: int) -> Any:
 class Engine:
     """vLLM's ZmqEventPublisher, configured as pdserve configures the engine."""
 
-    def __init__(self, endpoints: EventEndpoints | None = None) -> None:
+    def __init__(self, endpoints: EventEndpoints | None = None, buffer_steps: int = 10_000) -> None:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
         self.endpoints = endpoints or EventEndpoints.private()
         config = events_config(self.endpoints)
         self.publisher = ZmqEventPublisher(
             0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"],
-            topic=config["topic"],
+            topic=config["topic"], buffer_steps=buffer_steps,
         )  # fmt: skip
 
     def step(self, *events: Any) -> None:
@@ -141,6 +146,62 @@ async def test_the_index_is_rebuilt_after_redis_comes_back(
     engine.publisher.shutdown()
 
 
+async def test_a_redis_restarted_empty_gets_the_whole_set_back_not_only_recent_steps(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarts while the engine is quiet (no event write notices): the worker finds
+    its entries gone and rewrites all of them, also those of steps that vLLM's replay buffer
+    no longer holds; its registry record comes back with its heartbeat."""
+    link = IndexLink(WorkerSettingsForTest(redis_url=redis_server.url, worker_id=W), Load())
+    engine = Engine(link.endpoints, buffer_steps=3)  # only the last 3 steps can be replayed
+    await link.start(engine_info(), grpc_port=1234)
+    store = RedisStore(redis_server.url, timeout_s=0.5)
+    try:
+        engine.step(stored(5))  # once this is in, the sink is subscribed: nothing is dropped
+        await until(lambda: _count(store, [5], 1))
+        for h in range(1, 21):
+            engine.step(stored(h * 10, h * 10 + 1))
+        engine.step(removed(10, 11))
+        expected = [5] + [h * 10 + k for h in range(2, 21) for k in (0, 1)]
+        await until(lambda: _count(store, expected, len(expected)))
+        assert not await _count(store, [10], 1)  # removed stays removed
+        redis_server.stop()
+        redis_server.start()  # empty, same port
+        await until(lambda: _count(store, expected, len(expected)), timeout_s=10.0)
+        assert await store.worker_block_count(M, W) == len(expected)
+        await until(_true_when_async(lambda: _registered(store)), timeout_s=10.0)
+        # and the index goes on following the engine
+        engine.step(removed(200))
+        await until(lambda: _count(store, [200, 201], 0))
+        assert await store.worker_block_count(M, W) == len(expected) - 1
+    finally:
+        await link.stop()
+        await store.close()
+        engine.publisher.shutdown()
+
+
+async def test_entries_reaped_by_a_gateway_are_written_again(store: RedisStore) -> None:
+    engine = Engine()
+    sink = EventSink(store, M, W, engine.endpoints, max_blocks=100)
+    async with running(sink):
+        engine.step(stored(1, 2, 3))
+        await until(lambda: _count(store, [1, 2, 3], 3))
+        await store.clear_worker(M, W)  # as a gateway does to a worker that missed heartbeats
+        await until(lambda: _count(store, [1, 2, 3], 3))
+    assert sink.rewrites >= 2  # the first clears what an earlier incarnation left
+    engine.publisher.shutdown()
+
+
+def test_the_copy_follows_the_index_operations_and_stays_within_the_engine() -> None:
+    mirror = BlockMirror(max_blocks=3)
+    assert mirror.apply([BlockOps(stored=[1, 2]), BlockOps(stored=[3], removed=[1])]) == []
+    assert mirror.hashes() == [2, 3]
+    assert mirror.apply([BlockOps(stored=[4, 2, 5])]) == [3]  # 2 stored again: not the oldest
+    assert mirror.hashes() == [4, 2, 5]
+    assert mirror.apply([BlockOps(cleared=True, stored=[9])]) == []
+    assert mirror.hashes() == [9]
+
+
 def _encode(event: Any) -> bytes:
     import msgspec
     from vllm.distributed.kv_events import KVEventBatch
@@ -153,6 +214,32 @@ def _true_when(check: Any) -> Any:
         return bool(check())
 
     return predicate
+
+
+class WorkerSettingsForTest(WorkerSettings):
+    @property
+    def role(self) -> Literal["prefill", "decode"]:
+        return "prefill"
+
+
+def engine_info() -> EngineInfo:
+    return EngineInfo(model="m", served_model_name=M, block_size=128, max_model_len=2048,
+                      num_kv_blocks=1000, dtype="float32", kv_connector="PdserveConnector",
+                      kv_compat={})  # fmt: skip
+
+
+def _true_when_async(check: Any) -> Any:
+    async def predicate() -> bool:
+        try:
+            return bool(await check())
+        except Exception:
+            return False
+
+    return predicate
+
+
+async def _registered(store: RedisStore) -> bool:
+    return W in [record.worker_id for record in await store.alive_workers()]
 
 
 async def _count(store: RedisStore, hashes: list[int], want: int) -> bool:

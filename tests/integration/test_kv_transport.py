@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kv_transfer import bench
-from kv_transfer.client import release
+from kv_transfer.client import release, release_by_key
 from kv_transfer.handle import AgentHandle
 
 GEO = bench.Geometry(blocks=4, block_bytes=4096)
@@ -27,8 +27,8 @@ class Pair:
         self.producer = bench.start_agent("producer", self.p_fd, self.p_layout, **producer_settings)
         self.consumer = bench.start_agent("consumer", self.c_fd, self.c_layout, **consumer_settings)
 
-    def serve(self, req: str, blocks: list[int]) -> None:
-        self.producer.channel.send({"op": "serve", "req": req, "blocks": blocks})
+    def serve(self, req: str, blocks: list[int], key: str = "") -> None:
+        self.producer.channel.send({"op": "serve", "req": req, "blocks": blocks, "key": key})
 
     def pull(self, req: str, remote: list[int], local: list[int], port: int = 0) -> None:
         self.consumer.channel.send(
@@ -132,6 +132,21 @@ def test_release_unpins_at_once_and_also_before_registration(pair: Pair) -> None
     assert release("127.0.0.1", pair.producer.port, "later") is False
     pair.serve("later", [1])
     assert next_message(pair.producer) == {"op": "finished", "req": "later", "reason": "released"}
+
+
+def test_release_by_key_unpins_the_job_that_carries_the_key(pair: Pair) -> None:
+    """The prefill service knows its own request id, not the engine's (vLLM renames it)."""
+    pair.serve("engine-id-1", [0], key="gw-1")
+    time.sleep(0.1)
+    assert release_by_key("127.0.0.1", pair.producer.port, "engine-id-1") is False  # not a key
+    assert release("127.0.0.1", pair.producer.port, "gw-1") is False  # not a request id
+    assert release_by_key("127.0.0.1", pair.producer.port, "gw-1") is True
+    assert next_message(pair.producer) == {"op": "finished", "req": "engine-id-1",
+                                           "reason": "released"}  # fmt: skip
+    # an abort that overtakes the job: the job is unpinned as it arrives
+    assert release_by_key("127.0.0.1", pair.producer.port, "gw-2") is False
+    pair.serve("engine-id-2", [1], key="gw-2")
+    assert next_message(pair.producer)["req"] == "engine-id-2"
 
 
 @pytest.mark.parametrize("pair", [{"consumer": {"io_timeout_s": 2.0}}], indirect=True)

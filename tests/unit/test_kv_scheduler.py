@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kv_transfer import seal
+from kv_transfer.client import RELEASE_KEY
 from kv_transfer.metadata import TransferReport
 from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
 
@@ -48,6 +49,19 @@ def handoff(blocks: list[int], num_tokens: int) -> dict[str, Any]:
         "remote_num_tokens": num_tokens,
         seal.DIGEST: seal.prompt_digest(range(num_tokens)),
     }
+
+
+def output(
+    report: TransferReport | None = None,
+    recving: set[str] | None = None,
+    sending: set[str] | None = None,
+) -> Any:
+    """A step's connector output as vLLM's scheduler receives it."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(
+        finished_sending=sending, finished_recving=recving, kv_connector_worker_meta=report
+    )
 
 
 def test_producer_pins_finished_prompts_and_queues_them_for_serving() -> None:
@@ -124,7 +138,7 @@ def test_consumer_reports_what_the_engine_computed_and_received() -> None:
     consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(7), FakeBlock(8)],)), 200)
     consumer.build_meta(meta_output())
     report = TransferReport({"d-3": {"ok": True, "bytes": 4096, "blocks": 2, "seconds": 0.01}})
-    consumer.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    consumer.update_connector_output(output(report, recving={"d-3"}))
     # after the load vLLM schedules the last prompt token, then decodes
     new = [SimpleNamespace(req_id="d-3", num_computed_tokens=199)]
     consumer.build_meta(meta_output({"d-3": 1}, new))
@@ -142,7 +156,7 @@ def test_a_failed_pull_is_reported_with_its_error() -> None:
     consumer.on_new_request(request)
     consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(3)],)), 50)
     report = TransferReport({"d-4": {"ok": False, "error": "peer closed", "blocks": 1}})
-    consumer.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    consumer.update_connector_output(output(report, recving={"d-4"}))
     _, params = consumer.request_finished(request)
     assert params is not None
     assert params["pdserve"]["transfer_error"] == "peer closed"
@@ -155,3 +169,58 @@ def test_a_hand_off_with_too_few_blocks_fails_only_that_request() -> None:
     consumer.update_state_after_alloc(request, FakeBlocks(([FakeBlock(4), FakeBlock(5)],)), 300)
     (job,) = consumer.build_meta(meta_output()).pull
     assert "prefill offers 1" in job.error
+
+
+def test_producer_counts_pinned_blocks_until_vllm_frees_them() -> None:
+    from vllm.v1.request import RequestStatus
+
+    producer = ProducerScheduler(Endpoint("p", "h", 1))
+    assert producer.lifecycle() == {"pinned_blocks": 0, "leases": 0}
+    done = RequestStatus.FINISHED_LENGTH_CAPPED
+    params = {"do_remote_decode": True, RELEASE_KEY: "gw-1"}
+    producer.request_finished(FakeRequest("a", 300, dict(params), done), [1, 2, 3])
+    producer.request_finished(FakeRequest("b", 100, {"do_remote_decode": True}, done), [4])
+    aborted = FakeRequest("c", 10, {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED)
+    producer.request_finished(aborted, [5])
+    assert producer.lifecycle() == {"pinned_blocks": 4, "leases": 2}
+    meta = producer.build_meta(None)
+    assert meta.serve_keys == {"a": "gw-1", "b": ""}  # the service releases "a" by its own id
+    producer.update_connector_output(output(sending={"a"}))
+    assert producer.lifecycle() == {"pinned_blocks": 1, "leases": 1}
+    producer.update_connector_output(output(sending={"b"}))
+    assert producer.lifecycle() == {"pinned_blocks": 0, "leases": 0}
+
+
+def test_consumer_counts_hand_offs_and_pulled_blocks_until_received() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-6", 300, handoff([1, 2, 3], 300))
+    consumer.on_new_request(request)
+    consumer.on_new_request(FakeRequest("local", 10))  # no hand-off: not counted
+    assert consumer.lifecycle() == {"pinned_blocks": 0, "leases": 1}  # queued
+    blocks = FakeBlocks(([FakeBlock(7), FakeBlock(8), FakeBlock(9)],))
+    consumer.update_state_after_alloc(request, blocks, 300)
+    assert consumer.lifecycle() == {"pinned_blocks": 3, "leases": 1}  # being pulled
+    # aborted while pulling: vLLM keeps the blocks until the worker reports the pull ended
+    consumer.request_finished(request)
+    assert consumer.lifecycle() == {"pinned_blocks": 3, "leases": 1}
+    assert consumer.build_meta(meta_output()).release == []  # the pull itself ends the job
+    consumer.update_connector_output(output(recving={"d-6"}))
+    assert consumer.lifecycle() == {"pinned_blocks": 0, "leases": 0}
+
+
+def test_a_request_aborted_before_its_pull_releases_the_prefill_blocks_at_once() -> None:
+    consumer = ConsumerScheduler(block_size=128)
+    request = FakeRequest("d-7", 300, handoff([1, 2, 3], 300))
+    consumer.on_new_request(request)
+    consumer.request_finished(request)  # aborted while queued: never allocated
+    assert consumer.lifecycle() == {"pinned_blocks": 0, "leases": 0}
+    (job,) = consumer.build_meta(meta_output()).release
+    assert (job.host, job.port, job.remote_req_id) == ("127.0.0.1", 15100, "p-1")
+
+
+def test_a_forged_hand_off_is_never_released() -> None:
+    consumer = ConsumerScheduler(block_size=128, secret=b"s" * 32)
+    request = FakeRequest("d-8", 300, handoff([1, 2, 3], 300))  # not sealed with the secret
+    consumer.on_new_request(request)
+    consumer.request_finished(request)
+    assert consumer.build_meta(meta_output()).release == []

@@ -1,0 +1,65 @@
+"""Per-worker gauges of the gateway's ``/metrics``, read from the worker pool at scrape time.
+
+Labels: ``role`` ("prefill" or "decode") and ``worker`` (the worker's own name, its address
+until it has answered). Exported for exactly the workers in the pool now: one that left the
+registry disappears from the next scrape. Values are the worker's latest report (its
+heartbeat through the registry, else its last capabilities), except ``in_flight``, which is
+this gateway's own count of its requests on the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LABELS = ["role", "worker"]
+
+
+class WorkerView(Protocol):
+    """What the gauges read of a pool worker (``gateway.pool.Worker``)."""
+
+    healthy: bool
+    in_flight: int
+
+    @property
+    def role_name(self) -> str: ...
+
+    @property
+    def worker_id(self) -> str: ...
+
+    def reported(self, name: str) -> float: ...
+
+
+# (metric suffix, help, how to read it); reported fields are the WorkerLoad field names.
+_GAUGES: Sequence[tuple[str, str, Callable[[WorkerView], float]]] = (
+    ("healthy", "1 while the gateway routes to the worker, else 0.",
+     lambda w: 1.0 if w.healthy else 0.0),
+    ("running", "Requests the worker's engine is running.", lambda w: w.reported("running")),
+    ("waiting", "Requests queued in the worker's engine.", lambda w: w.reported("waiting")),
+    ("in_flight", "This gateway's requests on the worker now.", lambda w: float(w.in_flight)),
+    ("kv_usage", "Fraction of the worker's KV cache in use (0..1).",
+     lambda w: w.reported("kv_usage")),
+    ("pinned_blocks", "KV blocks the worker holds for transfers (prefill: pinned for decode "
+     "workers; decode: allocated for pulls in progress).",
+     lambda w: w.reported("pinned_blocks")),
+    ("leases", "Requests holding such blocks (prefill: pinned hand-offs; decode: hand-offs "
+     "not pulled yet or being pulled).", lambda w: w.reported("leases")),
+    ("engine_steps", "Engine iterations of the worker since it started.",
+     lambda w: w.reported("engine_steps")),
+)  # fmt: skip
+
+
+class WorkerCollector(Collector):
+    def __init__(self, workers: Callable[[], Iterable[WorkerView]]) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        workers = list(self.workers())
+        for suffix, text, read in _GAUGES:
+            family = GaugeMetricFamily(f"pdserve_gateway_worker_{suffix}", text, labels=LABELS)
+            for worker in workers:
+                family.add_metric([worker.role_name, worker.worker_id], read(worker))
+            yield family
