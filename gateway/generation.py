@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from gateway import request_log
 from gateway.config import GatewaySettings
 from gateway.decode_stream import DecodeStream
 from gateway.errors import GatewayError, InvalidRequest, WorkerFailed, WorkerTimedOut
@@ -64,8 +65,11 @@ class Generation:
         abort: AbortFn,
         on_end: Callable[[], None] | None = None,
         deadline_s: float | None = None,
+        edge_id: str = "",
     ) -> None:
         self.request_id = request_id  # the first attempt's id; retries get fresh ones
+        self.edge_id = edge_id or request_id  # the client's id (logged, never sent to workers)
+        self.trace_id = tracing.current_trace_id()  # the request's trace (for the request log)
         self.endpoint = endpoint
         self.token_ids = list(token_ids)
         self.params = params
@@ -91,6 +95,8 @@ class Generation:
         self._last_token_at: float | None = None
         self._generated: list[int] = []
         self._migrations = 0
+        self.retries = 0  # prefill and decode retries (migrations are counted apart)
+        self.first_token_at: float | None = None
         self._done = False
         self._predicted = route.predicted_cached_tokens
         self._decode_span: Any = tracing.NO_SPAN  # from a Decode call to its stream's end
@@ -115,6 +121,18 @@ class Generation:
         if self._on_end is not None:
             on_end, self._on_end = self._on_end, None
             on_end()
+
+    @property
+    def received_at(self) -> float:
+        return self._received_at
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self._generated)
+
+    @property
+    def migrations(self) -> int:
+        return self._migrations
 
     def routing_headers(self) -> dict[str, str]:
         """Where the request went (empty when the deployment hides its topology)."""
@@ -197,6 +215,7 @@ class Generation:
         log.warning("request %s: %s; retrying on prefill worker %s", self.request_id, err,
                     nxt.address)  # fmt: skip
         self._metrics.retries.labels("prefill").inc()
+        self.retries += 1
         await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, retries))
         self._unhold(failed)
         self._hold(nxt)
@@ -309,6 +328,7 @@ class Generation:
         log.warning("request %s: %s; retrying on decode worker %s", self.request_id,
                     err.message, nxt.address)  # fmt: skip
         self._metrics.retries.labels("decode").inc()
+        self.retries += 1
         self._unhold(self.decode)
         self._hold(nxt)
         self.decode = nxt
@@ -446,6 +466,7 @@ class Generation:
         if count:
             now = time.monotonic()
             if self._last_token_at is None:
+                self.first_token_at = now
                 self._metrics.ttft.labels(self.path).observe(now - self._received_at)
                 self._decode_span.add_event("first_token")
             else:
@@ -472,7 +493,9 @@ class Generation:
         if transfer.kv_blocks_received:
             self._metrics.kv_seconds.observe(transfer.kv_transfer_seconds)
         engine = chunk.engine if chunk.HasField("engine") else None
-        self._metrics.phases(self._prefill_engine if self.prefill else None, engine, transfer)
+        phases = self._metrics.phases(
+            self._prefill_engine if self.prefill else None, engine, transfer
+        )
         self._end_decode_span(
             {
                 "pdserve.finish_reason": chunk.finish_reason,
@@ -486,6 +509,7 @@ class Generation:
         self._pool.mark_ok(self.decode)
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
+        request_log.generation_ended(self, "ok", cached_tokens=usage.cached_tokens, phases=phases)
         if self._predicted is not None:  # local path: the decode worker's cache
             self._metrics.prediction(self._predicted, usage.cached_tokens)
         return Finish(
@@ -509,6 +533,7 @@ class Generation:
         self._done = True
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
+        request_log.generation_ended(self, outcome)
         self._end_decode_span(
             {"pdserve.outcome": outcome}, None if outcome == "cancelled" else outcome
         )

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from gateway import request_log
 from gateway.auth import ApiKeys
 from gateway.errors import (
     DeadlineExceeded,
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 AUTHORIZATION_METADATA = "authorization"
+ENDPOINT = "grpc_generate"  # the endpoint label of metrics and request logs
 
 _CODES: list[tuple[type[GatewayError], grpc.StatusCode]] = [
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
@@ -132,31 +134,38 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        metadata = await self._authorize(context)
+        metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
         request_id = edge_request_id(metadata.get(REQUEST_ID_METADATA))
-        await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        with _span("Generate", request_id, metadata):
+        with request_log.serving(request_id):  # every log line of the call names it
             try:
-                core = GenerateRequest(
-                    request_id,
-                    _prompt(request),
-                    request.params,
-                    request.model,
-                    "grpc_generate",
-                    deadline_s=context.time_remaining(),
-                )
-                generation = await self.service.start(core)
-                async for event in generation.events():
-                    if isinstance(event, TokenDelta):
-                        yield generate_pb2.GenerateResponse(
-                            token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
-                        )
-                    else:
-                        routing = tuple(generation.routing_headers().items())
-                        context.set_trailing_metadata(routing)
-                        yield _final(event)
-            except GatewayError as err:
+                self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
+            except Unauthenticated as err:
+                request_log.refused_at_edge(request_id, ENDPOINT, err)
                 await _abort(context, err)
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
+            with _span("Generate", request_id, metadata):
+                try:
+                    core = GenerateRequest(
+                        request_id,
+                        _prompt(request),
+                        request.params,
+                        request.model,
+                        ENDPOINT,
+                        deadline_s=context.time_remaining(),
+                    )
+                    generation = await self.service.start(core)
+                    async for event in generation.events():
+                        if isinstance(event, TokenDelta):
+                            yield generate_pb2.GenerateResponse(
+                                token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                            )
+                        else:
+                            routing = tuple(generation.routing_headers().items())
+                            context.set_trailing_metadata(routing)
+                            yield _final(event)
+                except GatewayError as err:
+                    request_log.refused_at_edge(request_id, ENDPOINT, err)
+                    await _abort(context, err)
 
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

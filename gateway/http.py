@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openai_format as fmt
+from gateway import request_log
 from gateway.auth import ApiKeys
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
@@ -41,6 +42,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 REQUEST_ID_HEADER = "x-request-id"
 UNTRACED_PATHS = frozenset({"/health", "/metrics"})
+# Route path -> the endpoint label of metrics and request logs.
+GENERATION_ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat_completions",
+}
 _bearer = HTTPBearer(auto_error=False, description="an API key, when the gateway has keys")
 
 
@@ -68,21 +74,22 @@ class RequestIdMiddleware:
                 status["code"] = int(message["status"])
             await send(message)
 
-        if not tracing.enabled() or scope["path"] in UNTRACED_PATHS:
-            await self.app(scope, receive, send_with_id)
-            return
-        name = f"{scope['method']} {scope['path']}"
-        attributes = {
-            "http.request.method": scope["method"],
-            "url.path": scope["path"],
-            "pdserve.request_id": request_id,
-        }
-        parent = tracing.extract(headers.items())
-        with tracing.span(name, attributes, kind="server", parent=parent) as span:
-            await self.app(scope, receive, send_with_id)
-            span.set_attribute("http.response.status_code", status["code"])
-            if status["code"] >= 500:
-                tracing.fail(span, f"HTTP {status['code']}")
+        with request_log.serving(request_id):  # every log line of the request names it
+            if not tracing.enabled() or scope["path"] in UNTRACED_PATHS:
+                await self.app(scope, receive, send_with_id)
+                return
+            name = f"{scope['method']} {scope['path']}"
+            attributes = {
+                "http.request.method": scope["method"],
+                "url.path": scope["path"],
+                "pdserve.request_id": request_id,
+            }
+            parent = tracing.extract(headers.items())
+            with tracing.span(name, attributes, kind="server", parent=parent) as span:
+                await self.app(scope, receive, send_with_id)
+                span.set_attribute("http.response.status_code", status["code"])
+                if status["code"] >= 500:
+                    tracing.fail(span, f"HTTP {status['code']}")
 
 
 def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> FastAPI:
@@ -165,12 +172,15 @@ def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def domain_error(request: Request, err: GatewayError) -> JSONResponse:
+        _refused(request, err)
         return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
         message, param = fmt.validation_message(err.errors())
-        return error_response(InvalidRequest(message, param=param))
+        invalid = InvalidRequest(message, param=param)
+        _refused(request, invalid)
+        return error_response(invalid)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -183,6 +193,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this response, so the server logs the traceback once.
         log.error("unexpected error serving %s: %r", request.url.path, err)
         return JSONResponse(fmt.error_body("internal server error", "server_error"), 500)
+
+
+def _refused(request: Request, err: GatewayError) -> None:
+    """The request line of a generation request that failed before the core logged it."""
+    endpoint = GENERATION_ENDPOINTS.get(request.url.path)
+    if endpoint:
+        request_log.refused_at_edge(_request_id(request), endpoint, err)
 
 
 def _request_id(request: Request) -> str:

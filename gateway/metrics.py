@@ -158,24 +158,39 @@ class GatewayMetrics:
         prefill: common_pb2.EngineTimes | None,
         decode: common_pb2.EngineTimes | None,
         transfer: common_pb2.TransferStats,
-    ) -> None:
-        """Record one finished request's phases. ``prefill``: the prefill engine's times
-        (None on the local path); ``decode``: the decode engine's (None: not reported)."""
-        pulled = transfer.kv_transfer_seconds if transfer.kv_blocks_received else 0.0
-        if pulled:
-            self.phase_seconds.labels("transfer").observe(pulled)
-        if decode is None:
-            return
-        # The decode engine schedules a request once its KV blocks are in: its queue time
-        # includes the pull.
-        queue = max(0.0, decode.queue_seconds - pulled)
-        computed = decode
-        if prefill is not None:
-            queue += prefill.queue_seconds
-            computed = prefill
-        self.phase_seconds.labels("queue").observe(queue)
-        self.phase_seconds.labels("prefill").observe(computed.prefill_seconds)
-        self.phase_seconds.labels("decode").observe(decode.decode_seconds)
+    ) -> dict[str, float]:
+        """Record one finished request's phases (``phase_times``) and return them."""
+        times = phase_times(prefill, decode, transfer)
+        for phase, seconds in times.items():
+            self.phase_seconds.labels(phase).observe(seconds)
+        return times
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def phase_times(
+    prefill: common_pb2.EngineTimes | None,
+    decode: common_pb2.EngineTimes | None,
+    transfer: common_pb2.TransferStats,
+) -> dict[str, float]:
+    """Seconds of one finished request by phase: "transfer" when KV blocks were pulled;
+    "queue", "prefill" and "decode" when the decode engine reported its times. ``prefill``:
+    the prefill engine's times (None on the local path)."""
+    times: dict[str, float] = {}
+    pulled = transfer.kv_transfer_seconds if transfer.kv_blocks_received else 0.0
+    if pulled:
+        times["transfer"] = pulled
+    if decode is None:
+        return times
+    # The decode engine schedules a request once its KV blocks are in: its queue time
+    # includes the pull.
+    queue = max(0.0, decode.queue_seconds - pulled)
+    computed = decode
+    if prefill is not None:
+        queue += prefill.queue_seconds
+        computed = prefill
+    times["queue"] = queue
+    times["prefill"] = computed.prefill_seconds
+    times["decode"] = decode.decode_seconds
+    return times

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import request_log
 from gateway.config import GatewaySettings
 from gateway.errors import (
     GatewayError,
@@ -145,6 +146,7 @@ class GenerationService:
             yield event
 
     async def start(self, request: GenerateRequest) -> Generation:
+        token_ids: list[int] | None = None
         try:
             with tracing.span("admission"):
                 self._check_model(request.model)
@@ -164,8 +166,14 @@ class GenerationService:
                 route = await self._route(request, token_ids, params)
                 if span.is_recording():
                     span.set_attributes(route_attributes(self.picker.name, route))
-        except GatewayError as err:
-            self.metrics.requests.labels(request.endpoint, "none", outcome_for(err)).inc()
+        except (GatewayError, asyncio.CancelledError) as err:
+            outcome = outcome_for(err) if isinstance(err, GatewayError) else "cancelled"
+            self.metrics.requests.labels(request.endpoint, "none", outcome).inc()
+            prompt_tokens = None if token_ids is None else len(token_ids)
+            request_log.refused(
+                request.request_id, request.endpoint, outcome,
+                received_at=request.received_at, prompt_tokens=prompt_tokens,
+            )  # fmt: skip
             raise
         self.active += 1
         internal_id = internal_request_id()
@@ -183,6 +191,7 @@ class GenerationService:
             abort=self.abort_later,
             on_end=self._ended,
             deadline_s=request.deadline_s,
+            edge_id=request.request_id,
         )
         try:
             await generation.open()

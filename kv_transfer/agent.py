@@ -25,6 +25,7 @@ from typing import Any
 from kv_transfer.auth import load_secret
 from kv_transfer.layout import Layout
 from kv_transfer.wire import LineChannel
+from pdserve import log as pdlog
 
 log = logging.getLogger("kv_transfer.agent")
 
@@ -132,12 +133,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctrl-fd", type=int, required=True)
     args = parser.parse_args()
-    logging.basicConfig(
-        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s kv-agent[%(process)d] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    pdlog.setup(f"kv-agent[{os.getpid()}]")  # PDSERVE_LOG_LEVEL / _FORMAT, to stderr
     _unpin_from_engine_core()
     return run(args.ctrl_fd)
 

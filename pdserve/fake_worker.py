@@ -28,6 +28,11 @@ from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 # (token id, text) of the scripted answer: "Hello, world!"
 DEFAULT_PIECES: list[tuple[int, str]] = [(19556, "Hello"), (28, ","), (905, " world"), (17, "!")]
 KV_BYTES_PER_TOKEN = 1000
+# The engine times the fakes report (seconds): what a vLLM engine's request statistics say.
+PREFILL_ENGINE = common_pb2.EngineTimes(queue_seconds=0.001, prefill_seconds=0.02)
+DECODE_ENGINE = common_pb2.EngineTimes(
+    queue_seconds=0.005, prefill_seconds=0.003, decode_seconds=0.1
+)
 
 
 def pieces(n: int) -> list[tuple[int, str]]:
@@ -127,6 +132,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=DEFAULT_PIECES[0][0],
             prompt_tokens=n,
             cached_tokens=cached,
+            engine=PREFILL_ENGINE,
         )
         self.responses.append(response)
         return response
@@ -188,7 +194,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                 kv_transfer_seconds=0.002,
             )
         usage = common_pb2.Usage(prompt_tokens=n, completion_tokens=emitted, cached_tokens=cached)
-        return worker_pb2.DecodeChunk(usage=usage, transfer=transfer)
+        return worker_pb2.DecodeChunk(usage=usage, transfer=transfer, engine=DECODE_ENGINE)
 
     async def Decode(self, request, context):  # type: ignore[no-untyped-def]
         self.seen.record(request, context)

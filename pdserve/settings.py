@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
+from pydantic import Field
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -42,6 +43,19 @@ def default_model_dir() -> Path:
 def base_config(env_prefix: str) -> SettingsConfigDict:
     return SettingsConfigDict(
         env_prefix=env_prefix, frozen=True, extra="forbid", env_parse_none_str="none"
+    )
+
+
+class LogSettings(BaseSettings):
+    """Logging of every pdserve process, from the environment only (read by ``pdserve.log``):
+    ``PDSERVE_LOG_LEVEL`` and ``PDSERVE_LOG_FORMAT``. A worker's own ``--log-level`` wins."""
+
+    model_config = base_config("PDSERVE_LOG_")
+
+    level: str = Field(default="INFO", description="log level (DEBUG, INFO, WARNING, ERROR)")
+    format: Literal["text", "json"] = Field(
+        default="text",
+        description="text: one readable line per record; json: one JSON object per line",
     )
 
 

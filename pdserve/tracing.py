@@ -308,6 +308,16 @@ def trace_id(span: Any) -> str:
     return f"{span.get_span_context().trace_id:032x}"
 
 
+def current_trace_id() -> str:
+    """The trace id of the current span ("" while tracing is off or no span is current)."""
+    if _tracer is None:
+        return ""
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else ""
+
+
 def monotonic_to_epoch(ts: float) -> float:
     """A ``time.monotonic()`` value of any process on this machine as seconds since the epoch
     (vLLM's engine-core timestamps are monotonic)."""

@@ -1,4 +1,5 @@
-"""docs/observability.md lists exactly the metrics the gateway exports, with their labels."""
+"""docs/observability.md lists exactly the metrics the gateway exports, with their labels, and
+the fields of the request log."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.metrics import GatewayMetrics
+from gateway.request_log import FIELDS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 ROW = re.compile(r"^\| `(pdserve_[a-z_]+)` \| (\w+) \|([a-z_, ]*)\|", re.MULTILINE)
@@ -23,3 +25,11 @@ def test_the_metric_table_matches_the_registry() -> None:
         if isinstance(m, MetricWrapperBase)
     }
     assert documented == exported
+
+
+FIELD_ROW = re.compile(r"^\| `([a-z_]+)` \| ", re.MULTILINE)
+
+
+def test_the_request_log_table_matches_its_fields() -> None:
+    section = DOC.read_text().split("### One line per request", 1)[1].split("\n## ", 1)[0]
+    assert FIELD_ROW.findall(section) == list(FIELDS)
