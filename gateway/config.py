@@ -106,7 +106,7 @@ class GatewaySettings(BaseSettings):
         "while it keeps failing, at most 60 s), then probed back in by its health check",
     )
     stall_timeout_s: float = Field(
-        default=30.0,
+        default=60.0,
         gt=0,
         description="a worker whose engine has requests but takes no step for this long is "
         "hung: ejected until its engine moves again",

@@ -53,6 +53,8 @@ class Worker(Generic[C]):
     down: asyncio.Event = field(default_factory=asyncio.Event)
     ejected_until: float = 0.0  # circuit breaker: no health probe before this (monotonic)
     ejections: int = 0  # consecutive ejections (each doubles the wait); 0 after a success
+    steps_seen: int = -1  # the engine's step count at its last progress (liveness)
+    progress_at: float = 0.0  # when the step count last moved, or the engine was idle
 
     @property
     def role_name(self) -> str:
@@ -231,7 +233,22 @@ class WorkerPool:
             return
         worker.refused = ""
         worker.capabilities = caps
-        self._set_health(worker, True, "")
+        stalled = self._stalled(worker, caps.load)
+        self._set_health(worker, not stalled, stalled)
+
+    def _stalled(self, worker: PrefillWorker | DecodeWorker, load: worker_pb2.WorkerLoad) -> str:
+        """Liveness beyond "the gRPC server answers": an engine that has requests must take
+        steps. Why the worker is hung ("" while its engine moves or has nothing to do)."""
+        now = time.monotonic()
+        queued = load.running + load.waiting
+        if not queued or load.engine_steps != worker.steps_seen:
+            worker.steps_seen = load.engine_steps
+            worker.progress_at = now
+            return ""
+        still = now - worker.progress_at
+        if still < self.settings.stall_timeout_s:
+            return ""
+        return f"its engine took no step for {still:.0f} s with {queued} requests (hung)"
 
     def _set_health(self, worker: PrefillWorker | DecodeWorker, healthy: bool, why: str) -> None:
         if healthy and not worker.healthy:

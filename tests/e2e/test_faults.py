@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -215,3 +217,56 @@ def test_hung_prefill_worker_is_ejected_and_readmitted(cluster: RealCluster) -> 
         os.killpg(group, signal.SIGCONT)
     wait_until(lambda: whole(cluster), 120, "the worker is readmitted after SIGCONT")
     print(f"4 requests with one prefill worker hung took {took:.1f} s")
+
+
+def redis_port(cluster: RealCluster) -> int:
+    out = (cluster.log_dir / "pdserve-up.out").read_text(errors="replace")
+    found = re.search(r"private redis-server on redis://127\.0\.0\.1:(\d+)/", out)
+    assert found, "pdserve up did not say where its Redis is"
+    return int(found.group(1))
+
+
+def redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def chat(cluster: RealCluster, system: str, question: str) -> None:
+    body = {"model": served_name(), "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}]}  # fmt: skip
+    request = urllib.request.Request(
+        cluster.base_url + "/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=RECOVERY_S) as response:
+        assert response.status == 200
+
+
+def test_redis_restarted_empty_costs_no_request(cluster: RealCluster) -> None:
+    """Redis killed (kill -9) and restarted empty by ``pdserve up`` while requests stream: no
+    request fails, and the workers write their cached prefixes back, so the router predicts
+    a cached prefix again."""
+    wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole")
+    system = "You answer questions about this list. " + " ".join(
+        f"Item {k} is a {w} of size {k * 7}." for k, w in enumerate(["lamp", "boat", "kite"] * 30)
+    )
+    chat(cluster, system, "Which item is first?")  # its blocks are cached and indexed
+    port = redis_port(cluster)
+    group = group_on_port(port)
+    os.killpg(group, signal.SIGKILL)
+    streams = start_streams(cluster, PROMPTS, 8)
+    wait_until(lambda: redis_answers(port) and group_on_port(port) != group, RECOVERY_S,
+               "pdserve up restarted Redis")  # fmt: skip
+    back_at = time.monotonic()
+    wait_all(streams)
+    assert all(not s.error and s.finish == "length" for s in streams), streams
+    time.sleep(max(0.0, back_at + 10 - time.monotonic()))  # the index's bound: 10 s
+    before = metric_sum(cluster, "pdserve_gateway_predicted_cached_tokens_total")
+    chat(cluster, system, "Which item is last?")
+    predicted = metric_sum(cluster, "pdserve_gateway_predicted_cached_tokens_total") - before
+    assert predicted >= 128, "the prefix index did not predict the cached prefix again"

@@ -201,3 +201,24 @@ async def test_prefill_on_a_worker_ejected_meanwhile_moves_at_once() -> None:
         await asyncio.wait_for(stuck.seen.aborted.wait(), 10)
     assert out == text(expected()) and finish == "length"
     assert len(healthy_prefill.seen.requests) == 1
+
+
+async def test_engine_that_takes_no_step_with_requests_is_hung() -> None:
+    """Liveness beyond the gRPC server answering: queued requests and a step count that does
+    not move eject the worker; steps moving again readmit it."""
+    decode = FakeDecode()
+    async with gateway_cluster(decode=decode, health_interval_s=0.1, stall_timeout_s=0.5) as c:
+        worker = c.gateway.pool.decode[0]
+        decode.caps.load.running = 2
+        decode.caps.load.engine_steps = 7
+        deadline = time.monotonic() + 30
+        while worker.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not worker.healthy and "took no step" in worker.last_error
+        decode.caps.load.engine_steps = 8
+        while not worker.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert worker.healthy
+        decode.caps.load.running = 0  # idle: no steps needed
+        await asyncio.sleep(1.0)
+        assert worker.healthy
