@@ -34,7 +34,7 @@ class WorkerView(Protocol):
 
 
 # (metric suffix, help, how to read it); reported fields are the WorkerLoad field names.
-_GAUGES: Sequence[tuple[str, str, Callable[[WorkerView], float]]] = (
+GAUGES: Sequence[tuple[str, str, Callable[[WorkerView], float]]] = (
     ("healthy", "1 while the gateway routes to the worker, else 0.",
      lambda w: 1.0 if w.healthy else 0.0),
     ("running", "Requests the worker's engine is running.", lambda w: w.reported("running")),
@@ -58,7 +58,7 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         workers = list(self.workers())
-        for suffix, text, read in _GAUGES:
+        for suffix, text, read in GAUGES:
             family = GaugeMetricFamily(f"pdserve_gateway_worker_{suffix}", text, labels=LABELS)
             for worker in workers:
                 family.add_metric([worker.role_name, worker.worker_id], read(worker))

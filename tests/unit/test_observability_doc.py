@@ -10,6 +10,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import FIELDS
+from gateway.worker_metrics import GAUGES, LABELS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 ROW = re.compile(r"^\| `(pdserve_[a-z_]+)` \| (\w+) \|([a-z_, ]*)\|", re.MULTILINE)
@@ -24,6 +25,8 @@ def test_the_metric_table_matches_the_registry() -> None:
         for m in vars(GatewayMetrics()).values()
         if isinstance(m, MetricWrapperBase)
     }
+    for suffix, _, _ in GAUGES:  # per-worker gauges, collected from the pool at scrape time
+        exported[f"pdserve_gateway_worker_{suffix}"] = ("gauge", ", ".join(LABELS))
     assert documented == exported
 
 
