@@ -314,10 +314,13 @@ async def test_grpc_reflection_health_stream_and_cancel(cluster: RealCluster) ->
         )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
+    from tests.e2e.conftest import DECODE_WORKERS
+
+    decode = [f"127.0.0.1:{cluster.ports['decode'] + i}" for i in range(DECODE_WORKERS)]
     async with GatewayClient(cluster.grpc_target) as client:
         text, last = await client.complete(text=TEXT, max_tokens=8, temperature=0.0)
         assert text and last.finish_reason and last.usage is not None
-        decode_address = last.raw.decode_worker
+        assert last.raw.decode_worker in decode
         stream = client.generate(
             text=TEXT, max_tokens=2000, ignore_eos=True, temperature=0.0, request_id="to-cancel"
         )
@@ -326,13 +329,15 @@ async def test_grpc_reflection_health_stream_and_cancel(cluster: RealCluster) ->
             received += len(piece.token_ids)
             if received >= 4:
                 break
-        busy = await _decode_load(decode_address, secret)
+        loads = {a: await _decode_load(a, secret) for a in decode}
         await stream.aclose()  # cancels the RPC mid-stream
-    assert busy.in_flight >= 1 and busy.running >= 1, busy
-    deadline = time.monotonic() + 15
-    load = busy
+    # The stream is on exactly one decode worker (nothing else runs now).
+    busy = [a for a, load in loads.items() if load.in_flight >= 1 and load.running >= 1]
+    assert len(busy) == 1, loads
+    deadline = time.monotonic() + 60
+    load = loads[busy[0]]
     while time.monotonic() < deadline:
-        load = await _decode_load(decode_address, secret)
+        load = await _decode_load(busy[0], secret)
         if load.in_flight == 0 and load.running == 0:
             break
         await asyncio.sleep(0.2)
