@@ -19,7 +19,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway.request_log import FIELDS
 from pdserve import log as pdlog
-from pdserve import tracing
 from pdserve.fake_worker import FakeDecode
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.helpers import gateway_cluster, served_name, tokenizer
@@ -62,16 +61,6 @@ def log() -> Iterator[Captured]:
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    assert tracing.setup("gateway", exporters=[exporter])
-    try:
-        yield exporter
-    finally:
-        tracing.shutdown()
 
 
 def only(lines: list[dict[str, Any]], request_id: str) -> dict[str, Any]:

@@ -6,31 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import httpx
-import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve import tracing
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.helpers import gateway_cluster, served_name
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    assert tracing.setup("gateway", exporters=[exporter])
-    try:
-        yield exporter
-    finally:
-        tracing.shutdown()
 
 
 async def wait_for(exporter: InMemorySpanExporter, root: str) -> list[ReadableSpan]:

@@ -3,24 +3,12 @@ context in and out (SDK in-memory exporter)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve import tracing
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    assert tracing.setup("gateway", exporters=[exporter])
-    try:
-        yield exporter
-    finally:
-        tracing.shutdown()
 
 
 def test_off_by_default_and_by_the_standard_switches() -> None:
