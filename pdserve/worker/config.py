@@ -36,6 +36,22 @@ class WorkerSettings(BaseSettings):
     kv_load_failure_policy: Literal["fail", "recompute"] = Field(
         "fail", description="decode: on a failed KV pull, fail the request or recompute the prompt"
     )
+    kv_tier: Literal["off", "cpu", "disk", "redis", "fs", "lm"] = Field(
+        "off",
+        description="second KV tier (LMCache) beneath vLLM's cache: off; cpu or disk (this "
+        "worker only); redis, fs or lm (shared by every worker naming the same kv_tier_url)",
+    )
+    kv_tier_url: str = Field(
+        "",
+        description="where the tier lives: redis://host:port[/db] (default: redis_url with "
+        "db 1), a directory for fs and disk, lm://host:port for an LMCache server",
+    )
+    kv_tier_cpu_gib: float = Field(
+        1.0, gt=0, description="GiB of CPU memory LMCache keeps as its first (local) level"
+    )
+    kv_tier_chunk_tokens: int = Field(
+        256, ge=16, description="tokens per tier chunk (only whole chunks are stored)"
+    )
     kv_cache_gib: float = Field(1.0, description="CPU only: KV cache size in GiB")
     cpu_cores: str = Field("", description="CPU only: cores for the engine, e.g. '0' or '0-3'")
     hash_seed: int = Field(

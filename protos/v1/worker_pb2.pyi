@@ -114,7 +114,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys")
+    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys", "kv_tier", "kv_tier_chunk_tokens")
     class KvCompatEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class Capabilities(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     model: str
@@ -150,7 +152,9 @@ class Capabilities(_message.Message):
     version: str
     load: WorkerLoad
     index_keys: PrefixIndexKeys
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ...) -> None: ...
+    kv_tier: str
+    kv_tier_chunk_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ..., kv_tier: _Optional[str] = ..., kv_tier_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixIndexKeys(_message.Message):
     __slots__ = ("hash_seed", "redis_prefix")
