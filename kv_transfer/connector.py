@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kv_transfer import compat
 from kv_transfer.announce import Announcer
 from kv_transfer.auth import load_secret
-from kv_transfer.lifecycle import LifecycleStats
+from kv_transfer.lifecycle import LifecycleStats, NoPromMetrics
 from kv_transfer.metadata import StepMetadata
 from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
 from kv_transfer.worker import WorkerSide
@@ -170,6 +170,10 @@ class PdserveConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LifecycleStats:
         return LifecycleStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any) -> NoPromMetrics:
+        return NoPromMetrics(*args)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self.producer is not None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 # Keys of ``data``: blocks held for transfers, and the requests (leases) holding them.
 PINNED_BLOCKS = "pinned_blocks"
@@ -39,7 +42,20 @@ class LifecycleStats(KVConnectorStats):
 
 
 def gauges(data: dict[str, Any] | None) -> tuple[int, int] | None:
-    """(pinned blocks, leases) from a step's ``kv_connector_stats``; None if it has none."""
+    """(pinned blocks, leases) from a step's ``kv_connector_stats``; None if it has none.
+
+    Under ``MultiConnector`` the data holds one dict per child connector, by class name."""
+    if data and PINNED_BLOCKS not in data:
+        data = next((v for v in data.values() if isinstance(v, dict) and PINNED_BLOCKS in v), None)
     if not data or PINNED_BLOCKS not in data:
         return None
     return int(data[PINNED_BLOCKS]), int(data.get(LEASES, 0))
+
+
+class NoPromMetrics(KVConnectorPromMetrics):
+    """vLLM's Prometheus side of a connector's statistics: nothing. pdserve exports these
+    gauges itself (the worker reports them, the gateway labels them per worker), but under
+    ``MultiConnector`` vLLM requires every child that reports statistics to have one."""
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        return None

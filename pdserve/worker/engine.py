@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.worker import kv_tier
 from pdserve.worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -60,30 +61,48 @@ def apply_environment(settings: WorkerSettings) -> None:
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
     os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
+    os.environ.update(kv_tier.lmcache_env(settings))
 
 
 def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
+    """The engine's connector: the hand-off connector alone, or, with a KV tier, vLLM's
+    MultiConnector over it and the tier (the hand-off first: whenever a request brings
+    hand-off blocks they win; otherwise the tier serves what the engine's cache lacks)."""
     from vllm.config import KVTransferConfig
-
-    from kv_transfer import CONNECTOR_MODULE, CONNECTOR_NAME
-    from pdserve.secret import secret_file
 
     role: Literal["kv_producer", "kv_consumer"] = (
         "kv_producer" if settings.role == "prefill" else "kv_consumer"
     )
-    if settings.kv_connector == "nixl":
+    handoff = _handoff_connector(settings, role)
+    if settings.kv_tier == "off":
         return KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role=role,
-            kv_load_failure_policy=settings.kv_load_failure_policy,
+            **handoff, engine_id=engine_id, kv_load_failure_policy=settings.kv_load_failure_policy
         )
+    from kv_transfer import register_connectors
+
+    register_connectors()
+    tier = kv_tier.connector(role, has_gpu())
     return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME,
-        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_connector="MultiConnector",
         kv_role=role,
         engine_id=engine_id,
         kv_load_failure_policy=settings.kv_load_failure_policy,
-        kv_connector_extra_config={
+        kv_connector_extra_config={"connectors": [handoff, tier]},
+    )
+
+
+def _handoff_connector(settings: WorkerSettings, role: str) -> dict[str, Any]:
+    """KVTransferConfig fields of the prefill→decode hand-off connector."""
+    from kv_transfer import CONNECTOR_MODULE, CONNECTOR_NAME
+    from pdserve.secret import secret_file
+
+    if settings.kv_connector == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": role}
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": role,
+        "kv_connector_extra_config": {
             "kv_host": settings.reachable_host,
             "kv_bind_host": settings.kv_bind_host or settings.host,
             "kv_port": settings.kv_port,
@@ -91,7 +110,7 @@ def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
             # The path only: vLLM logs its configuration, the secret stays in the file.
             "secret_file": secret_file(),
         },
-    )
+    }
 
 
 def engine_args(

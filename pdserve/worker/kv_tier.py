@@ -98,3 +98,33 @@ def lmcache_env(settings: WorkerSettings) -> dict[str, str]:
         env["LMCACHE_REMOTE_URL"] = url
         env["LMCACHE_REMOTE_SERDE"] = "naive"
     return env
+
+
+def connector(role: str, gpu: bool) -> dict[str, object]:
+    """KVTransferConfig fields of the tier's connector: ours on the CPU (LMCache has no CPU
+    copier of its own), vLLM's stock LMCache connector on GPUs."""
+    from kv_transfer import TIER_CONNECTOR_MODULE, TIER_CONNECTOR_NAME
+
+    if gpu:
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": role}
+    return {
+        "kv_connector": TIER_CONNECTOR_NAME,
+        "kv_connector_module_path": TIER_CONNECTOR_MODULE,
+        "kv_role": role,
+    }
+
+
+def check(settings: WorkerSettings) -> None:
+    """Fail before the engine starts if the tier cannot work (bad settings, no LMCache)."""
+    if settings.kv_tier == "off":
+        return
+    tier_url(settings)
+    if settings.kv_tier_chunk_tokens % 16:
+        raise TierConfigError("--kv-tier-chunk-tokens must be a multiple of 16")
+    try:
+        import lmcache.v1.cache_engine  # noqa: F401
+    except ImportError as exc:
+        raise TierConfigError(
+            f"--kv-tier {settings.kv_tier} needs LMCache, which does not import ({exc}); "
+            "run `make install`"
+        ) from exc

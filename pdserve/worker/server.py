@@ -18,6 +18,7 @@ from pdserve import __version__, tracing
 from pdserve.grpc_client import ERROR_REASON_METADATA
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.secret import SECRET_FILE_ENV, deployment_secret, is_loopback
+from pdserve.worker import kv_tier
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.errors import (
     EngineUnavailable,
@@ -113,6 +114,8 @@ class ServicerBase:
                 hash_seed=service.settings.hash_seed,
                 redis_prefix=service.settings.redis_prefix,
             ),
+            kv_tier=kv_tier.identity(service.settings),
+            kv_tier_chunk_tokens=service.settings.kv_tier_chunk_tokens,
         )
 
 
@@ -131,6 +134,7 @@ async def serve(
     try:
         model = resolve_model(settings.model or None)
         secret = deployment_secret()
+        kv_tier.check(settings)
     except ValueError as exc:
         log.error("%s", exc)
         return 1

@@ -67,3 +67,16 @@ def cases(encode: Any) -> list[dict[str, Any]]:
             ],
         },
     ]
+
+
+TIER_QUESTIONS = ("What does note 3 say?", "Which hour was busiest?", "Summarise it.")
+
+
+def tier_cases() -> list[dict[str, Any]]:
+    """One long shared prefix (several whole tier chunks) with three different endings: the
+    KV tier test sends each to another prefill worker (tests/e2e/test_kv_tier.py)."""
+    prefix = long_text("harbour tides", 40)
+    return [
+        {"name": f"tier_{i}", "max_tokens": 16, "text": f"{prefix} Question: {q} Answer:"}
+        for i, q in enumerate(TIER_QUESTIONS)
+    ]

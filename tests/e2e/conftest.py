@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.e2e import otlp_receiver
-from tests.e2e.cases import DTYPE, cases
+from tests.e2e.cases import DTYPE, cases, tier_cases
 from tests.helpers import model_dir
 
 STARTUP_TIMEOUT_S = 600
@@ -44,7 +44,8 @@ def reference(
     e2e_cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """Greedy outputs of one monolithic engine, computed before the cluster starts."""
-    return run_reference("reference.py", e2e_cases, tmp_path_factory, STARTUP_TIMEOUT_S)
+    everything = [*e2e_cases, *tier_cases()]
+    return run_reference("reference.py", everything, tmp_path_factory, STARTUP_TIMEOUT_S)
 
 
 def run_reference(
@@ -161,7 +162,8 @@ def cluster(
     traces: otlp_receiver.Receiver,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RealCluster]:
-    """2 prefill + 2 decode workers, a private Redis and the gateway, started by ``pdserve up``.
+    """2 prefill + 2 decode workers with the KV tier in a private Redis, and the gateway,
+    started by ``pdserve up``.
 
     Conditional disaggregation is off (threshold 0), so every request moves KV blocks. Every
     process exports traces to ``traces``."""
@@ -210,6 +212,12 @@ def _start_up(
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0",
         "PDSERVE_GATEWAY_KV_USAGE_WEIGHT": "0",
+        # The shared KV tier (LMCache) in the private Redis, on every worker: the whole suite
+        # runs with it (tests/e2e/test_kv_tier.py tests the tier itself).
+        "PDSERVE_PREFILL_KV_TIER": "redis",
+        "PDSERVE_DECODE_KV_TIER": "redis",
+        "PDSERVE_PREFILL_KV_TIER_CPU_GIB": "0.25",
+        "PDSERVE_DECODE_KV_TIER_CPU_GIB": "0.25",
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,

