@@ -7,9 +7,12 @@ pdserve's defaults, which it may override. pdserve owns only the KV connector co
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shlex
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,6 +65,17 @@ def apply_environment(settings: WorkerSettings) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
     os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
     os.environ.update(kv_tier.lmcache_env(settings))
+    if settings.kv_tier != "off" and "VLLM_RPC_BASE_PATH" not in os.environ:
+        # LMCache names its engine-internal sockets after the engine id (the worker id), so
+        # two clusters on one host ("prefill-0" in both) would meet on one socket path.
+        os.environ["VLLM_RPC_BASE_PATH"] = private_dir("pdserve-rpc-")
+
+
+def private_dir(prefix: str) -> str:
+    """A new directory only this worker uses, removed when it exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:

@@ -1,0 +1,70 @@
+"""Worker KV tier settings: where the tier lives, its identity, LMCache's environment, the
+engine's connector configuration, and clear errors for settings that cannot work."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_service.config import PrefillSettings
+from pdserve.worker import kv_tier
+from pdserve.worker.engine import kv_transfer_config
+
+
+def settings(**kw: object) -> PrefillSettings:
+    return PrefillSettings(port=50100, **kw)  # type: ignore[arg-type]
+
+
+def test_redis_tier_defaults_to_the_next_database_of_the_index_redis() -> None:
+    s = settings(kv_tier="redis", redis_url="redis://10.0.0.5:6379/0")
+    assert kv_tier.tier_url(s) == "redis://10.0.0.5:6379/1"
+    assert kv_tier.identity(s) == "redis:10.0.0.5:6379/1"
+    assert kv_tier.tier_url(settings(kv_tier="redis", redis_url="redis://h:1")) == "redis://h:1/1"
+
+
+def test_identity_hides_credentials_and_is_empty_for_private_tiers() -> None:
+    s = settings(kv_tier="redis", kv_tier_url="redis://user:secret@tier:6380/2")
+    assert kv_tier.identity(s) == "redis:tier:6380/2"
+    assert kv_tier.identity(settings(kv_tier="cpu")) == ""
+    assert kv_tier.identity(settings(kv_tier="disk", kv_tier_url="/var/kv")) == ""
+    assert kv_tier.identity(settings(kv_tier="fs", kv_tier_url="/shared/kv/")) == "fs:/shared/kv"
+
+
+def test_lmcache_environment_of_each_tier() -> None:
+    assert kv_tier.lmcache_env(settings()) == {}
+    env = kv_tier.lmcache_env(settings(kv_tier="redis", redis_url="redis://h:1/0",
+                                       kv_tier_cpu_gib=0.5, kv_tier_chunk_tokens=512))  # fmt: skip
+    assert env["LMCACHE_REMOTE_URL"] == "redis://h:1/1"
+    assert env["LMCACHE_CHUNK_SIZE"] == "512"
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "0.5"
+    assert env["LMCACHE_PRE_CACHING_HASH_ALGORITHM"] == "sha256_cbor"
+    assert "LMCACHE_REMOTE_URL" not in kv_tier.lmcache_env(settings(kv_tier="cpu"))
+    disk = kv_tier.lmcache_env(settings(kv_tier="disk", kv_tier_url="/var/kv"))
+    assert disk["LMCACHE_LOCAL_DISK"] == "file:///var/kv"
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"kv_tier": "redis"}, "needs --kv-tier-url or --redis-url"),
+        ({"kv_tier": "redis", "kv_tier_url": "http://x"}, "must be redis://"),
+        ({"kv_tier": "lm", "kv_tier_url": "redis://x"}, "lm://host:port"),
+        ({"kv_tier": "fs"}, "needs --kv-tier-url <directory>"),
+        ({"kv_tier": "cpu", "kv_tier_chunk_tokens": 100}, "multiple of 16"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_before_the_engine_starts(
+    kw: dict[str, object], message: str
+) -> None:
+    with pytest.raises(kv_tier.TierConfigError, match=message):
+        kv_tier.check(settings(**kw))
+
+
+def test_engine_connector_is_the_handoff_alone_or_a_multiconnector_with_the_tier() -> None:
+    plain = kv_transfer_config(settings(), engine_id="p0")
+    assert plain.kv_connector == "PdserveConnector"
+    tiered = kv_transfer_config(settings(kv_tier="cpu"), engine_id="p0")
+    assert tiered.kv_connector == "MultiConnector"
+    assert tiered.engine_id == "p0" and tiered.kv_role == "kv_producer"
+    children = tiered.kv_connector_extra_config["connectors"]
+    assert [c["kv_connector"] for c in children] == ["PdserveConnector", "PdserveTierConnector"]
+    assert children[0]["kv_connector_extra_config"]["kv_port"] == settings().kv_port
