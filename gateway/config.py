@@ -148,6 +148,21 @@ class GatewaySettings(BaseSettings):
     kv_usage_weight: float = Field(
         default=0.5, ge=0, description="routing score weight of a worker's KV cache usage (0..1)"
     )
+    tier_hit_weight: float = Field(
+        default=0.8,
+        ge=0,
+        le=1,
+        description="routing score weight of a prompt token a worker would retrieve from its "
+        "shared KV tier (LMCache) rather than find in its own cache (weight 1); retrieving "
+        "costs less than computing but more than a local hit",
+    )
+    tier_index_max_blocks: int = Field(
+        default=100_000,
+        ge=1,
+        description="prefix-index entries one shared KV tier may have (about 360 bytes of "
+        "Redis each); beyond it the tier's entries are dropped and relearned, since the index "
+        "does not see the tier's own evictions",
+    )
     routing_headers: bool = Field(
         default=True,
         description="say where a request went (x-pdserve-*-worker headers, gRPC trailers)",

@@ -99,6 +99,7 @@ class Generation:
         self.first_token_at: float | None = None
         self._done = False
         self._predicted = route.predicted_cached_tokens
+        self._feedback = route.feedback  # told how computing the routed prompt went
         self._decode_span: Any = tracing.NO_SPAN  # from a Decode call to its stream's end
         self._prefill_engine: common_pb2.EngineTimes | None = None
         self._held: list[AnyWorker] = []
@@ -258,7 +259,13 @@ class Generation:
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)
             self._predicted = None
+        self._computed(worker, response.cached_tokens)
         return response
+
+    def _computed(self, worker: AnyWorker, cached_tokens: int) -> None:
+        """``worker`` computed the routed prompt: the picker learns from it (its KV tier)."""
+        if self._feedback is not None:
+            self._feedback.computed(worker, cached_tokens)
 
     def _prefill_exhausted(self, worker: PrefillWorker, err: RpcCallError) -> None:
         """Named policy ``prefill_failure_policy``: "local" falls back, "fail" raises."""
@@ -437,6 +444,7 @@ class Generation:
         if self.prefill is not None:
             self._hold(self.prefill)
         self._predicted = None
+        self._feedback = None  # routing looked at the original prompt only
 
     async def events(self) -> AsyncIterator[Event]:
         """Token deltas, then one ``Finish``; raises ``GatewayError`` on a worker failure."""
@@ -512,6 +520,8 @@ class Generation:
         request_log.generation_ended(self, "ok", cached_tokens=usage.cached_tokens, phases=phases)
         if self._predicted is not None:  # local path: the decode worker's cache
             self._metrics.prediction(self._predicted, usage.cached_tokens)
+        if self.prefill is None:
+            self._computed(self.decode, usage.cached_tokens)
         return Finish(
             finish_reason=chunk.finish_reason,
             stop_reason=chunk.stop_reason,

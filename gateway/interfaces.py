@@ -2,6 +2,8 @@
 
 - ``Picker``: chooses the prefill and decode worker of one request (routing plugins such as a
   Redis prefix-cache scorer implement it; registered by name in ``gateway.routing.PICKERS``).
+- ``RouteFeedback``: what a picker learns once a routed prompt was computed (the prefix
+  picker keeps the shared KV tier's index entries with it).
 - ``PromptTokenizer``: turns prompts into token ids (``gateway.tokenizer.HfTokenizer``).
 """
 
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from gateway.pool import DecodeWorker, PrefillWorker
+    from gateway.pool import DecodeWorker, PrefillWorker, Worker
     from gateway.routing import Route, RouteRequest
 
 
@@ -36,6 +38,22 @@ class Picker(Protocol):
         decode: Sequence[DecodeWorker],
         compatible: CompatibilityCheck,
     ) -> Route: ...
+
+    async def close(self) -> None:
+        """Let background work (index writes) finish; called once when the gateway stops."""
+        ...
+
+
+class RouteFeedback(Protocol):
+    """Carried by a ``Route`` (``feedback``) back to its picker, about the routed prompt only
+    (not a migration's longer one)."""
+
+    def computed(self, worker: Worker[Any], cached_tokens: int) -> None:
+        """``worker`` computed the prompt and reported ``cached_tokens`` of it served from its
+        caches (vLLM's own and its KV tier). Called once per computation (a prefill worker's
+        answer; the decode worker's finish on the local path); must not block: any I/O goes
+        to the background."""
+        ...
 
 
 class CompatibilityCheck(Protocol):

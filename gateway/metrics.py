@@ -137,12 +137,32 @@ class GatewayMetrics:
         )
         self.predicted_tokens = Counter(
             "pdserve_gateway_predicted_cached_tokens",
-            "Prompt tokens the router predicted the computing worker's cache would serve.",
+            "Prompt tokens the router predicted the computing worker's caches (its own, its KV "
+            "tier) would serve.",
             registry=r,
         )
         self.actual_tokens = Counter(
             "pdserve_gateway_actual_cached_tokens",
-            "Prompt tokens the computing worker reported served from its cache.",
+            "Prompt tokens the computing worker reported served from its caches.",
+            registry=r,
+        )
+
+        self.tier_corrections = Counter(
+            "pdserve_gateway_tier_index_corrections",
+            "Requests whose worker was served fewer prompt tokens than the prefix index said "
+            "its shared KV tier holds (the tier evicted them): the tier's entries from the "
+            "first chunk not served were dropped.",
+            registry=r,
+        )
+        self.tier_index_errors = Counter(
+            "pdserve_gateway_tier_index_write_errors",
+            "Writes of shared KV tier entries (stores, corrections, resets) that found the "
+            "prefix index unreachable (skipped: the index is best effort).",
+            registry=r,
+        )
+        self.tier_index_resets = Counter(
+            "pdserve_gateway_tier_index_resets",
+            "Times a shared KV tier's entries exceeded tier_index_max_blocks and were dropped.",
             registry=r,
         )
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gateway.config import GatewaySettings
 from gateway.errors import NoWorkerAvailable
-from gateway.interfaces import CompatibilityCheck, Picker
+from gateway.interfaces import CompatibilityCheck, Picker, RouteFeedback
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Offload
 from gateway.pool import DecodeWorker, PrefillWorker
@@ -28,13 +28,16 @@ class RouteRequest:
 class Route:
     """The chosen workers; ``prefill`` None: the decode worker computes the prompt.
 
-    ``predicted_cached_tokens``: what the picker expects the computing worker's prefix cache
-    to serve (None: no prediction); compared with what the worker reports.
+    ``predicted_cached_tokens``: what the picker expects the computing worker's caches (its
+    own and its shared KV tier) to serve (None: no prediction); compared with what the worker
+    reports. ``feedback``: told what computing the prompt showed (None: the picker learns
+    nothing from it).
     """
 
     prefill: PrefillWorker | None
     decode: DecodeWorker
     predicted_cached_tokens: int | None = None
+    feedback: RouteFeedback | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class RoundRobinPicker:
         if not fits:
             return Route(prefill=None, decode=chosen)
         return Route(prefill=fits[next(self._prefill_turn) % len(fits)], decode=chosen)
+
+    async def close(self) -> None:
+        """Nothing runs in the background."""
 
 
 def _prefix_picker(context: PickerContext) -> Picker:

@@ -303,6 +303,8 @@ class GenerationService:
         log.debug("request %s: aborted on %s (found=%s)", request_id, worker.address, found)
 
     async def close(self) -> None:
-        """Let pending aborts finish (each is bounded by ``control_timeout_s``)."""
+        """Let pending aborts (each bounded by ``control_timeout_s``) and the picker's
+        background writes finish."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.picker.close()

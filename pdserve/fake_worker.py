@@ -152,7 +152,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     continuation from the prompt plus the tokens so far goes on where the first stream was.
     ``fail_after`` / ``hang_after``: after that many tokens the stream fails (UNAVAILABLE, as
     a dying worker's) or goes silent (a hung worker's) — on this fake's first request only when
-    ``once`` is set."""
+    ``once`` is set. ``cached_tokens``: what its caches serve of a prompt it computes itself
+    (the local path; with a hand-off it reports the prefill worker's)."""
 
     def __init__(
         self,
@@ -165,8 +166,10 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         fail_after: int | None = None,
         hang_after: int | None = None,
         once: bool = False,
+        cached_tokens: int = 0,
     ) -> None:
         self.positional = positional
+        self.cached_tokens = cached_tokens
         self.fail_after = fail_after
         self.hang_after = hang_after
         self.once = once
@@ -181,8 +184,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _final(self, request: worker_pb2.DecodeRequest, emitted: int) -> worker_pb2.DecodeChunk:
         n = len(request.prompt_token_ids)
-        transfer = common_pb2.TransferStats(prompt_tokens_computed=n)
-        cached = 0
+        cached = min(self.cached_tokens, n - 1)
+        transfer = common_pb2.TransferStats(prompt_tokens_computed=n - cached)
         if request.HasField("kv_transfer_params"):
             kv = request.kv_transfer_params
             cached = kv.remote_prefill_cached_tokens

@@ -8,6 +8,11 @@ served model name), so several models can share one Redis.
 - ``{p}:registry``                 STRING the registry's epoch (new after Redis lost its data)
 - ``{p}:{ns}:b:{hash}``            SET of worker ids holding the block with that hash
 - ``{p}:{ns}:w:{worker}``          SET of block hashes the worker holds (reverse index)
+
+A shared KV tier (LMCache) is a holder like a worker, with the id ``tier:<identity>`` (e.g.
+``tier:redis:10.0.0.5:6379/1``, the identity its workers report) in both sets. The gateways
+write its entries (``gateway.kv_tier``), not the workers; it is in no registry, so no gateway
+reaps it.
 """
 
 from __future__ import annotations

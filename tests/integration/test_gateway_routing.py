@@ -22,6 +22,8 @@ from pdserve.redis_server import RedisServer
 from tests.helpers import model_dir, served_name, tokenizer
 
 BLOCK = 16  # the fakes' block size
+TIER_CHUNK = 2 * BLOCK
+TIER = "redis:127.0.0.1:6379/1"
 
 
 @pytest.fixture
@@ -64,14 +66,17 @@ class Fleet:
 
 
 @asynccontextmanager
-async def fleet(redis_url: str, prefill: list[str], decode: list[str], **overrides: object
-                ) -> AsyncIterator[Fleet]:  # fmt: skip
+async def fleet(redis_url: str, prefill: list[str], decode: list[str], tier: str = "",
+                **overrides: object) -> AsyncIterator[Fleet]:  # fmt: skip
+    """``tier``: every worker reports this shared KV tier, in chunks of ``TIER_CHUNK``."""
     fakes_p = {name: FakePrefill(cached_tokens=0) for name in prefill}
     fakes_d = {name: FakeDecode() for name in decode}
     servers = {}
     fakes: list[tuple[str, FakePrefill | FakeDecode]] = [*fakes_p.items(), *fakes_d.items()]
     for name, fake in fakes:
         fake.caps.worker_id = name
+        fake.caps.kv_tier = tier
+        fake.caps.kv_tier_chunk_tokens = TIER_CHUNK if tier else 0
         servers[name] = await start_worker(fake)
     settings = GatewaySettings(
         http_host="127.0.0.1", http_port=0, grpc_port=0, model=model_dir(), redis_url=redis_url,
@@ -197,3 +202,77 @@ async def test_killing_redis_during_a_load_test_fails_no_request(
         errors = [line for line in metrics.splitlines()
                   if line.startswith("pdserve_gateway_prefix_index_errors_total")]  # fmt: skip
         assert errors and float(errors[0].split()[-1]) > 0
+
+
+def counted(metrics: str, name: str) -> float:
+    """A metric's value in a /metrics text (0 when not there yet)."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def tier_blocks(f: Fleet, hashes: list[int], expected: int) -> int:
+    """The tier's leading blocks of ``hashes`` in Redis, once they reach ``expected`` (the
+    gateway writes them in the background) or after a while."""
+    holder = "tier:" + TIER
+    for _ in range(100):
+        held = (await f.store.longest_prefixes(served_name(), hashes, [holder]))[holder]
+        if held == expected:
+            break
+        await asyncio.sleep(0.02)
+    return held
+
+
+async def test_a_prompt_in_the_shared_tier_is_predicted_for_every_worker_and_corrected(
+    redis_server: RedisServer,
+) -> None:
+    async with fleet(redis_server.url, ["p-a", "p-b"], ["d-0"], tier=TIER) as f:
+        ids = prompt_ids("The tier keeps what one worker computed for all of them. " * 8)
+        hashes = block_hashes(ids, BLOCK, seed=42)
+        whole = len(ids) // TIER_CHUNK * TIER_CHUNK
+        assert whole >= 2 * TIER_CHUNK
+        first = await complete(f.url, ids)  # computed from scratch: the tier gets its chunks
+        assert first.status_code == 200, first.text
+        assert await tier_blocks(f, hashes, whole // BLOCK) == whole // BLOCK
+        for fake in f.prefill.values():  # what LMCache serves either worker now
+            fake.cached_tokens = whole
+        workers = set()
+        for _ in range(2):  # no worker holds the prompt itself: the tier makes them equal
+            reply = await complete(f.url, ids)
+            workers.add(reply.headers["x-pdserve-prefill-worker"])
+        assert workers == {"p-a", "p-b"}
+        metrics = await metrics_text(f.url)
+        assert counted(metrics, "pdserve_gateway_predicted_cached_tokens_total") == 2 * whole
+        assert 'pdserve_gateway_prefix_predictions_total{result="exact"} 3.0' in metrics
+        # The tier evicted all but its first chunk: the prediction is corrected once.
+        for fake in f.prefill.values():
+            fake.cached_tokens = TIER_CHUNK
+        assert (await complete(f.url, ids)).status_code == 200
+        assert await tier_blocks(f, hashes, TIER_CHUNK // BLOCK) == TIER_CHUNK // BLOCK
+        assert (await complete(f.url, ids)).status_code == 200
+        metrics = await metrics_text(f.url)
+        assert counted(metrics, "pdserve_gateway_tier_index_corrections_total") == 1
+        assert 'pdserve_gateway_prefix_predictions_total{result="over"} 1.0' in metrics
+        assert 'pdserve_gateway_prefix_predictions_total{result="exact"} 4.0' in metrics
+
+
+async def test_a_decode_worker_computing_the_prompt_fills_its_tier(
+    redis_server: RedisServer,
+) -> None:
+    async with fleet(redis_server.url, ["p-a"], ["d-0"], tier=TIER,
+                     disagg_min_uncached_tokens=10_000) as f:  # fmt: skip
+        ids = prompt_ids("Short enough to be computed where it is decoded. " * 6)
+        hashes = block_hashes(ids, BLOCK, seed=42)
+        whole = len(ids) // TIER_CHUNK * TIER_CHUNK
+        assert whole
+        reply = await complete(f.url, ids)
+        assert reply.headers["x-pdserve-prefill-worker"] == "local"
+        assert await tier_blocks(f, hashes, whole // BLOCK) == whole // BLOCK
+        f.decode["d-0"].cached_tokens = whole
+        reply = await complete(f.url, ids)
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
+        assert not f.prefill["p-a"].seen.requests
+        metrics = await metrics_text(f.url)
+        assert counted(metrics, "pdserve_gateway_predicted_cached_tokens_total") == whole
+        assert 'pdserve_gateway_prefix_predictions_total{result="exact"} 2.0' in metrics

@@ -17,10 +17,14 @@ BS = 16
 
 
 class StandIn:
-    def __init__(self, name: str, role: str, in_flight: int = 0) -> None:
+    """A worker as the picker sees it; ``tier``: the identity of its shared KV tier."""
+
+    def __init__(
+        self, name: str, role: str, in_flight: int = 0, tier: str = "", chunk: int = 0
+    ) -> None:
         self.worker_id = name
         self.role_name = role
-        self.capabilities = SimpleNamespace(block_size=BS)
+        self.capabilities = SimpleNamespace(block_size=BS, kv_tier=tier, kv_tier_chunk_tokens=chunk)
         self.in_flight = in_flight
 
     def load(self) -> float:
