@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_service.config import PrefillSettings
 from pdserve.worker import kv_tier
 from pdserve.worker.engine import kv_transfer_config
+from prefill_service.config import PrefillSettings
 
 
 def settings(**kw: object) -> PrefillSettings:
