@@ -24,6 +24,7 @@ BENCHES = {
     "engine": "pdserve.bench_engine",
     "gateway": "pdserve.bench_gateway",
     "soak": "pdserve.bench_soak",
+    "tier": "pdserve.bench_tier",
 }
 
 
