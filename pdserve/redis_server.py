@@ -33,16 +33,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(port: int) -> list[str]:
-    """The command line of a private server on ``port``; raises ``RedisServerError``."""
+def server_command(port: int, maxmemory_bytes: int | None = None) -> list[str]:
+    """The command line of a private server on ``port``; raises ``RedisServerError``.
+
+    Without ``maxmemory_bytes`` the server never evicts (what the prefix index and registry
+    need); with it, it evicts the least recently used keys beyond that size (a cache, such as
+    the KV tier's chunks)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError(
             "redis-server is not installed (Debian: apt-get install redis-server), "
             "or pass --redis-url to use an existing Redis"
         )
+    limit = [] if maxmemory_bytes is None else [
+        "--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
     return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--protected-mode", "yes"]  # fmt: skip
+            "--appendonly", "no", "--protected-mode", "yes", *limit]  # fmt: skip
 
 
 def answers(port: int) -> bool:

