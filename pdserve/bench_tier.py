@@ -51,14 +51,13 @@ def start_cluster(
     env = {**os.environ, **NO_CONDITIONAL}
     for role in ("PREFILL", "DECODE"):
         env[f"PDSERVE_{role}_KV_CACHE_GIB"] = f"{args.kv_cache_gib:g}"
-        env[f"PDSERVE_{role}_KV_TIER"] = "redis" if tier else "off"
     engine = f"--max-model-len {args.max_model_len}"
     return subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
          "--http-port", str(port), "--grpc-port", str(port + 1), "--prefill-port",
          str(port + 10), "--decode-port", str(port + 20), "--kv-port", str(port + 30),
          "--redis-url", redis_url, "--log-dir", logs, f"--prefill-engine-args={engine}",
-         f"--decode-engine-args={engine}"],
+         f"--decode-engine-args={engine}", "--kv-tier", "redis" if tier else "off"],
         env=env, stdout=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
 

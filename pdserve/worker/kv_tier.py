@@ -121,10 +121,11 @@ def check(settings: WorkerSettings) -> None:
     tier_url(settings)
     if settings.kv_tier_chunk_tokens % 16:
         raise TierConfigError("--kv-tier-chunk-tokens must be a multiple of 16")
-    try:
-        import lmcache.v1.cache_engine  # noqa: F401
-    except ImportError as exc:
+    from pdserve import lmcache_deps
+
+    broken = lmcache_deps.problems([settings.kv_tier])
+    if broken:
         raise TierConfigError(
-            f"--kv-tier {settings.kv_tier} needs LMCache, which does not import ({exc}); "
-            "run `make install`"
-        ) from exc
+            f"--kv-tier {settings.kv_tier} needs LMCache and its backend, which do not import "
+            f"({broken[0]}); {lmcache_deps.INSTALL_HINT}"
+        )

@@ -202,6 +202,9 @@ def _start_up(
         "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
         "--kv-port", str(ports["kv"]), "--log-dir", str(log_dir),
         f"--prefill-engine-args=--dtype {DTYPE}", f"--decode-engine-args=--dtype {DTYPE}",
+        # The shared KV tier (LMCache) in a private tier Redis, on every worker: the whole
+        # suite runs with it (tests/e2e/test_kv_tier.py tests the tier itself).
+        "--kv-tier", "redis", "--kv-tier-cpu-gib", "0.25", "--kv-tier-redis-gib", "1",
     ]  # fmt: skip
     # Conditional disaggregation off: every request moves KV blocks. KV-usage weight 0: the
     # heartbeat-reported usage lags by up to 2 s, and with sequential requests a stale value
@@ -212,12 +215,6 @@ def _start_up(
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0",
         "PDSERVE_GATEWAY_KV_USAGE_WEIGHT": "0",
-        # The shared KV tier (LMCache) in the private Redis, on every worker: the whole suite
-        # runs with it (tests/e2e/test_kv_tier.py tests the tier itself).
-        "PDSERVE_PREFILL_KV_TIER": "redis",
-        "PDSERVE_DECODE_KV_TIER": "redis",
-        "PDSERVE_PREFILL_KV_TIER_CPU_GIB": "0.25",
-        "PDSERVE_DECODE_KV_TIER_CPU_GIB": "0.25",
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
