@@ -103,9 +103,14 @@ def run_workload(
     return results
 
 
-def wait_healthy(url: str, prefill: int, timeout_s: float = 900) -> None:
+def wait_healthy(
+    url: str, prefill: int, up: subprocess.Popen[bytes] | None = None, timeout_s: float = 900
+) -> None:
+    """Until the gateway at ``url`` has its workers; raises if ``up`` exits meanwhile."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if up is not None and up.poll() is not None:
+            raise RuntimeError(f"the cluster behind {url} exited ({up.returncode}); see its logs")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 body = json.loads(response.read())

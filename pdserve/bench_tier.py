@@ -2,7 +2,7 @@
 
 Two ``pdserve up`` clusters on the same machine, each with its own private Redis: one without
 a KV tier, one with the LMCache tier in its Redis (``--kv-tier redis``). Both give their
-engines a small KV cache (``--kv-cache-gib``), as a busy production engine effectively has:
+engines a small KV cache (``--kv-blocks``), as a busy production engine effectively has:
 the workload's documents do not all fit, so the engine's own prefix cache evicts them.
 
 The workload is shared-prefix question answering: ``--documents`` long system prompts
@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="questions per document")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer")
     parser.add_argument(
-        "--kv-cache-gib", type=float, default=0.1, help="each engine's own KV cache (GiB)"
-    )
+        "--kv-blocks", type=int, default=24,
+        help="each engine's own KV cache in 128-token blocks (small: documents get evicted)",
+    )  # fmt: skip
     parser.add_argument("--max-model-len", type=int, default=2048, help="engines' context")
     parser.add_argument("--port", type=int, default=8700, help="first of the ports used")
     parser.add_argument("--json", default="", help="also write the results to this file")
@@ -49,9 +50,7 @@ def start_cluster(
     args: argparse.Namespace, port: int, redis_url: str, tier: bool, logs: str
 ) -> subprocess.Popen[bytes]:
     env = {**os.environ, **NO_CONDITIONAL}
-    for role in ("PREFILL", "DECODE"):
-        env[f"PDSERVE_{role}_KV_CACHE_GIB"] = f"{args.kv_cache_gib:g}"
-    engine = f"--max-model-len {args.max_model_len}"
+    engine = f"--max-model-len {args.max_model_len} --num-gpu-blocks-override {args.kv_blocks}"
     return subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1",
          "--http-port", str(port), "--grpc-port", str(port + 1), "--prefill-port",
@@ -102,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
                                            arm_logs))  # fmt: skip
         try:
             gateways = {arm: f"http://127.0.0.1:{ports[arm]}" for arm in ARMS}
-            for url in gateways.values():
-                wait_healthy(url, 1)
+            for url, process in zip(gateways.values(), processes, strict=True):
+                wait_healthy(url, 1, process)
             started = time.monotonic()
             results = run_workload(gateways, DEFAULT_MODEL_NAME, args)
             took = time.monotonic() - started
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         finally:
             for process in processes:
                 os.killpg(process.pid, signal.SIGTERM)

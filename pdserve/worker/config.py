@@ -52,7 +52,9 @@ class WorkerSettings(BaseSettings):
     kv_tier_chunk_tokens: int = Field(
         256, ge=16, description="tokens per tier chunk (only whole chunks are stored)"
     )
-    kv_cache_gib: float = Field(1.0, description="CPU only: KV cache size in GiB")
+    kv_cache_gib: int = Field(
+        1, ge=1, description="CPU only: KV cache size in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)"
+    )
     cpu_cores: str = Field("", description="CPU only: cores for the engine, e.g. '0' or '0-3'")
     hash_seed: int = Field(
         42,

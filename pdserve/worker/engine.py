@@ -60,7 +60,7 @@ def has_gpu() -> bool:
 def apply_environment(settings: WorkerSettings) -> None:
     """Environment that vLLM's engine processes read; set before the engine starts."""
     os.environ["PYTHONHASHSEED"] = str(settings.hash_seed)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
     os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
