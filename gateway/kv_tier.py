@@ -5,8 +5,9 @@ size in its capabilities. Every worker naming the same identity reads what any o
 so the tier is one more holder in the prefix index, ``tier:<identity>``, next to the workers.
 Workers publish only their own engine's blocks; the tier's entries are the gateway's:
 
-- written after a worker with the tier computed a prompt: LMCache stores every whole chunk it
-  computed, i.e. the leading ``n // chunk * chunk`` tokens of an ``n``-token prompt;
+- written after a prefill worker with the tier computed a prompt: LMCache stores every whole
+  chunk it computed, i.e. the leading ``n // chunk * chunk`` tokens of an ``n``-token prompt
+  (a decode worker's LMCache, vLLM role kv_consumer, retrieves but never stores);
 - read in the same lookup as the workers' own entries (``tier_tokens``);
 - corrected when a worker was served fewer tokens than the index said its tier holds: LMCache
   evicted them, which the index learns only so.
@@ -152,6 +153,8 @@ class TierFeedback:
                 first = cached_tokens // tier.chunk * tier.chunk // self.block_size
                 self.tiers.correct(self.model, tier.holder, self.hashes[first:held])
                 return
+        if worker.role_name != "prefill":
+            return  # a decode worker's LMCache (kv_consumer) retrieves but never stores
         stored = self.prompt_len // tier.chunk * tier.chunk // self.block_size
         if stored > (held or 0):
             self.tiers.store(self.model, tier.holder, self.hashes[:stored])
