@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -26,7 +27,7 @@ from tests.helpers import model_dir
 STARTUP_TIMEOUT_S = 600
 START_ATTEMPTS = 3  # fresh ports after a start that lost one of its ports to another process
 # What pdserve up and its children say when a port they were given is taken.
-PORT_TAKEN = re.compile(r"in use|cannot serve gRPC|cannot bind|EADDRINUSE")
+PORT_TAKEN = re.compile(r"in use|cannot serve gRPC|cannot bind|EADDRINUSE|is port \d+ free")
 PREFILL_WORKERS = 2  # two of each: routing spreads chats over prefill workers, and the
 DECODE_WORKERS = 2  # fault tests kill one of a kind while the other carries on
 
@@ -121,22 +122,35 @@ def _all_ready(ports: dict[str, int]) -> bool:
     )
 
 
+def listen_ports() -> range:
+    """Where the cluster's listening ports are chosen: below the kernel's ephemeral range.
+
+    Outgoing connections draw their local port from the ephemeral range, so a port chosen
+    there (e.g. by binding port 0) can be taken by any process's connect() before our server
+    binds it: a make test run once lost a KV port that way while another job opened many
+    connections. Below that range only another listener can take a port (then ``cluster``
+    starts again on fresh ports)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, max(low, 12000))
+
+
 def free_port() -> int:
-    """A loopback port free now. ``pdserve up`` takes its ports as arguments, so they are
-    chosen before its children bind them; ``cluster`` starts again on fresh ports when one
-    was taken in between."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now, outside the ephemeral range. ``pdserve up`` takes its ports
+    as arguments, so they are chosen before its children bind them."""
+    return free_port_run(1)
 
 
 def free_port_run(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports."""
-    for _ in range(100):
-        first = free_port()
+    """The first of ``n`` consecutive loopback ports free now, outside the ephemeral range."""
+    ports = listen_ports()
+    for _ in range(500):
+        first = random.randrange(ports.start, ports.stop - n)
         if all(not _port_open(first + i) and _bindable(first + i) for i in range(n)):
             return first
-    raise RuntimeError(f"no {n} consecutive free ports found")
+    raise RuntimeError(f"no {n} consecutive free ports found in {ports}")
 
 
 def _bindable(port: int) -> bool:
