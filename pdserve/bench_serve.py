@@ -145,7 +145,7 @@ def monolith_argv(model: str, name: str, port: int) -> list[str]:
 
 @contextmanager
 def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
-    from pdserve.up import format_cores, usable_cores
+    from pdserve.placement import format_cores, usable_cores
     from pdserve.worker.config import WorkerSettings
 
     port = args.port + 5

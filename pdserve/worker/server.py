@@ -128,13 +128,14 @@ async def serve(
 ) -> int:
     """Run one worker until SIGINT/SIGTERM or engine death; returns the exit code."""
     from pdserve.model import resolve_model
-    from pdserve.worker.engine import describe, start_engine
+    from pdserve.worker.engine import check_connector, describe, start_engine
     from pdserve.worker.registration import IndexLink, Load, stat_logger_for
 
     try:
         model = resolve_model(settings.model or None)
         secret = deployment_secret()
         kv_tier.check(settings)
+        check_connector(settings)
     except ValueError as exc:
         log.error("%s", exc)
         return 1
