@@ -27,6 +27,18 @@ COMPAT_HINTS = {
 }
 
 
+def single_use_handoffs(prefill: worker_pb2.Capabilities | None) -> bool:
+    """Whether the hand-offs of this prefill worker are read once and cannot be released by
+    the prefill worker: vLLM's NixlConnector frees a prompt's blocks as soon as the first
+    decode engine has read them (nixl/pull_worker.py:642-693), so a second decode worker given
+    the same hand-off could read reused blocks; and a finished prompt can no longer be aborted
+    (vllm/v1/core/sched/scheduler.py:2677-2681), so its blocks are released only by a decode
+    engine. Our connector refuses a second pull and unpins on the prefill worker's Abort."""
+    if prefill is None:
+        return False
+    return prefill.kv_compat.get("connector", "").startswith("Nixl")
+
+
 def pairing_problem(prefill: worker_pb2.Capabilities, decode: worker_pb2.Capabilities) -> str:
     """Why these two workers cannot exchange KV blocks ("" when they can): each differing
     ``kv_compat`` key with both values, and what it means."""

@@ -130,8 +130,9 @@ class PrefillService(WorkerService):
             phases=phases,
         )
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop the prompt and unpin its blocks; True if blocks were pinned for it."""
+    async def abort(self, request_id: str, handoff: dict[str, Any] | None = None) -> bool:
+        """Stop the prompt and unpin its blocks; True if blocks were pinned for it (our
+        connector). Under NIXL, aborting frees the blocks of a prompt still running only."""
         await self.engine.abort(request_id)
         if not self.own_connector:
             return False

@@ -27,6 +27,7 @@ from pdserve.worker.errors import (
     RequestAborted,
     WorkerError,
 )
+from pdserve.worker.handoff import to_params
 from pdserve.worker.service import WorkerService
 from protos.v1 import worker_pb2
 
@@ -83,7 +84,10 @@ class ServicerBase:
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         service = await self.ready(context)
-        return worker_pb2.AbortResponse(found=await service.abort(request.request_id))
+        handoff = None
+        if request.HasField("kv_transfer_params"):
+            handoff = to_params(request.kv_transfer_params)
+        return worker_pb2.AbortResponse(found=await service.abort(request.request_id, handoff))
 
     async def GetCapabilities(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         service: WorkerService = await self.ready(context)
