@@ -113,6 +113,11 @@ class ServicerBase:
                 pinned_blocks=service.load.pinned_blocks,
                 leases=service.load.leases,
                 engine_steps=service.load.engine_steps,
+                kv_transfers=service.load.kv_transfers,
+                kv_bytes=service.load.kv_bytes,
+                kv_transfer_seconds=service.load.kv_transfer_seconds,
+                kv_transfer_failures=service.load.kv_transfer_failures,
+                kv_leases_expired=service.load.kv_leases_expired,
             ),
             index_keys=worker_pb2.PrefixIndexKeys(
                 hash_seed=service.settings.hash_seed,
