@@ -64,6 +64,9 @@ class UpSettings(BaseSettings):
         description="KV connector of every worker: auto (nixl when GPUs are found, else "
         "pdserve), pdserve (TCP, CPU KV caches only) or nixl (vLLM's NixlConnector)",
     )
+    gpus: str = Field(
+        "", description="GPUs the engines use, e.g. '0' or '0,1' (default: every GPU found)"
+    )
     nixl_port: int = Field(
         up_gpu.DEFAULT_NIXL_PORT,
         ge=1,
@@ -367,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
         return 2
-    gpus = detect_gpus()
+    gpus = [g.strip() for g in s.gpus.split(",") if g.strip()] if s.gpus else detect_gpus()
     try:
         connector = up_gpu.connector_for(s.kv_connector, gpus)
     except up_gpu.ConnectorError as exc:

@@ -39,8 +39,8 @@ def connector_for(choice: str, gpus: Sequence[str]) -> str:
         return "nixl" if gpus else "pdserve"
     if choice == "pdserve" and gpus:
         raise ConnectorError(
-            "--kv-connector pdserve moves CPU KV caches only, and the engines run on the "
-            f"{len(gpus)} GPU(s) found: use --kv-connector nixl (the default on GPUs)"
+            "--kv-connector pdserve moves CPU KV caches only, and the engines run on "
+            f"GPU(s) {', '.join(gpus)}: use --kv-connector nixl (the default on GPUs)"
         )
     return choice
 

@@ -215,3 +215,13 @@ def test_side_channel_host_is_the_advertised_address() -> None:
     own = PrefillSettings(kv_connector="nixl", host="0.0.0.0", nixl_host="192.168.1.5")
     assert engine.nixl_env(own)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "192.168.1.5"
     assert engine.nixl_env(PrefillSettings()) == {}, "nothing of NIXL with pdserve's connector"
+
+
+def test_gpus_given_are_used_instead_of_detected_ones(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("pdserve.up.detect_gpus", lambda: [])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--gpus", "2, 3", "--kv-connector", "pdserve"])) == 2
+    assert "run on GPU(s) 2, 3" in capsys.readouterr().err
