@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import socket
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from decode_service.config import DecodeSettings
+from kv_transfer import compat
 from pdserve import settings as shared
 from pdserve import up_gpu
 from pdserve.cli import build_parser
@@ -225,3 +227,23 @@ def test_gpus_given_are_used_instead_of_detected_ones(
     add_arguments(parser)
     assert run(parser.parse_args(["--gpus", "2, 3", "--kv-connector", "pdserve"])) == 2
     assert "run on GPU(s) 2, 3" in capsys.readouterr().err
+
+
+def test_the_kv_tier_on_gpus_is_lmcache_beneath_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-tier on GPU workers: vLLM's MultiConnector over NIXL (first: hand-offs win) and
+    vLLM's stock LMCacheConnectorV1; the layout NIXL requires is the only one required
+    (multi_connector.py:624-654; LMCacheConnectorV1 requires none)."""
+    monkeypatch.setattr("pdserve.worker.engine.has_gpu", lambda: True)
+    s = parse("--kv-tier", "redis", "--redis-url", "redis://127.0.0.1:6379/0")
+    specs, _ = build_specs(s, gpus=["0"], cores=[0])
+    settings = worker(specs[0])
+    config = engine.kv_transfer_config(settings, engine_id="prefill-0")
+    assert config.kv_connector == "MultiConnector" and config.kv_role == "kv_producer"
+    nixl, tier = config.kv_connector_extra_config["connectors"]
+    assert nixl["kv_connector"] == "NixlConnector"
+    assert nixl["kv_connector_extra_config"] == {"kv_lease_duration": 30}
+    assert tier == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_producer"}
+    view = SimpleNamespace(kv_transfer_config=config, model_config=SimpleNamespace(use_mla=False),
+                           cache_config=SimpleNamespace(kv_cache_layout=None))  # fmt: skip
+    assert compat.kv_cache_layout(view) == "LBHNC"
+    assert compat.connector_identity(view).startswith("NixlConnector/")
