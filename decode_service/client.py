@@ -43,9 +43,17 @@ class DecodeClient(GrpcClient):
             request.kv_transfer_params.CopyFrom(kv_transfer_params)
         return self.stream("Decode", self.stub.Decode, request, request_id, timeout)
 
-    async def abort(self, request_id: str, timeout: float | None = None) -> bool:
-        """Stop the request; True when the worker knew it."""
+    async def abort(
+        self,
+        request_id: str,
+        timeout: float | None = None,
+        kv_transfer_params: worker_pb2.KvTransferParams | None = None,
+    ) -> bool:
+        """Stop the request; True when the worker knew it. ``kv_transfer_params``: a hand-off
+        no decode engine was given, to release on its prefill worker."""
         request = worker_pb2.AbortRequest(request_id=request_id)
+        if kv_transfer_params is not None:
+            request.kv_transfer_params.CopyFrom(kv_transfer_params)
         response: worker_pb2.AbortResponse = await self.unary(
             "Abort", self.stub.Abort, request, request_id, timeout
         )

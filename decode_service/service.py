@@ -7,6 +7,22 @@ final event carries usage and what the connector measured (``TransferStats``).
 A hand-off that is not for this request's prompt, or not sealed with the deployment secret
 (``kv_transfer.seal``), is refused before the engine sees the request (INVALID_ARGUMENT); the
 connector checks it again, so nothing foreign is ever pulled into, or cached by, the engine.
+
+Releasing the prefill worker's blocks of a hand-off this worker will not run goes through the
+hand-off's connector. Ours: a release on the prefill worker's KV port, and lease renewals while
+the request waits in the engine's queue. vLLM's NixlConnector: the engine itself sends the
+producer a notification for a request submitted already aborted
+(``notify_kv_transfer_request_rejected``, vllm/v1/engine/async_llm.py:924-950, which runs the
+connector's ``request_finished`` with ``do_remote_prefill`` still set: nixl/pull_scheduler.py:
+219-230, and its worker notifies without reading, nixl/pull_worker.py:67-75, 444-467); an
+aborted request the engine has is released the same way by vLLM, or by its read's own
+notification; vLLM's decode engine renews the producer's lease by heartbeats itself
+(nixl/base_scheduler.py:199-238, base_worker.py:3179-3211). So ``abort`` with a NIXL hand-off
+releases it only when the request never reached this worker's engine, and remembers it: a
+Decode call that brings it later (the abort overtook it) is refused, as nothing may read blocks
+the producer has freed. A failed NIXL read is not released (vLLM sends no notification after a
+failure: base_worker.py:3131-3161): the producer frees the blocks when the lease ends
+(``--kv-lease-s``).
 """
 
 from __future__ import annotations
@@ -14,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +47,9 @@ from pdserve.worker.service import WorkerService
 from protos.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+
+# NIXL hand-offs released by this worker that a late Decode call must not use (the newest).
+RELEASED_KEPT = 4096
 
 
 @dataclass
@@ -79,6 +100,14 @@ def _ranked(tokens: Any, per_token: Any) -> Logprobs:
 
 
 @contextlib.contextmanager
+def _discarding(active: set[str], request_id: str) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        active.discard(request_id)
+
+
+@contextlib.contextmanager
 def _cancelling(task: asyncio.Task[None] | None) -> Iterator[None]:
     try:
         yield
@@ -109,6 +138,12 @@ def _trace_pull(stats: dict[str, Any]) -> None:
 
 
 class DecodeService(WorkerService):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.connector = self.settings.kv_connector  # how hand-offs reach this worker
+        self.active: set[str] = set()  # requests given to the engine, until they end
+        self.released: OrderedDict[str, None] = OrderedDict()  # NIXL: remote_request_id
+
     async def decode(
         self,
         request_id: str,
@@ -125,6 +160,9 @@ class DecodeService(WorkerService):
                 raise InvalidRequest("prompt_token_ids is empty")
             if handoff:
                 self._check_handoff(handoff, token_ids)
+                if str(handoff.get("remote_request_id")) in self.released:
+                    handoff = None  # released already: nothing left to release either
+                    raise InvalidRequest("the KV hand-off was released: its request was cancelled")
             extra = {"kv_transfer_params": handoff} if handoff else None
             sampling = to_vllm(
                 params,
@@ -141,8 +179,9 @@ class DecodeService(WorkerService):
         first = True
         # While the engine has the request queued, the prefill worker's lease on its blocks
         # is kept alive: a busy decode worker must not turn waiting into a recomputation.
-        keeper = self._keep_lease(handoff) if handoff else None
-        with self.counted(), _cancelling(keeper):
+        keeper = self._keep_lease(handoff) if handoff and self.connector == "pdserve" else None
+        self.active.add(request_id)
+        with self.counted(), _cancelling(keeper), _discarding(self.active, request_id):
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
             trace = self.trace_headers()
             async for output in self.engine.generate(
@@ -210,10 +249,32 @@ class DecodeService(WorkerService):
                 handoff.clear()  # never act on a forged hand-off, not even to release it
             raise InvalidRequest(str(exc)) from exc
 
+    async def abort(self, request_id: str, handoff: dict[str, Any] | None = None) -> bool:
+        """Abort the request; ``handoff``: one no engine was given (the request ended between
+        prefill and decode), whose blocks this worker releases on its prefill worker."""
+        await self.engine.abort(request_id)
+        if not handoff:
+            return True
+        if not seal.is_genuine(handoff, self.secret):
+            log.warning("not releasing a hand-off that is not sealed with the deployment secret")
+        elif self.connector != "nixl" or request_id not in self.active:
+            # Under NIXL a request the engine has is released by vLLM (module doc).
+            await self._release(handoff)
+        return True
+
+    def _remember_released(self, remote_request_id: str) -> None:
+        self.released[remote_request_id] = None
+        while len(self.released) > RELEASED_KEPT:
+            self.released.popitem(last=False)
+
     async def _release(self, handoff: dict[str, Any] | None) -> None:
-        """Unpin the prefill worker's blocks of a request this worker will not run (on every
-        TP rank of the prefill worker: rank r's agent listens on remote_port + r)."""
+        """Unpin the prefill worker's blocks of a request this worker will not run: through
+        the engine under NIXL, else on every TP rank of the prefill worker (rank r's agent
+        listens on remote_port + r)."""
         if not handoff or not handoff.get("remote_host"):
+            return
+        if self.connector == "nixl":
+            await self._release_nixl(handoff)
             return
         host, port = str(handoff["remote_host"]), int(handoff["remote_port"])
         for rank in range(max(1, int(handoff.get(seal.TP_SIZE) or 1))):
@@ -227,3 +288,19 @@ class DecodeService(WorkerService):
                 )
             except (OSError, KVTransferError) as exc:
                 log.warning("could not unpin rejected request's blocks: %s", exc)
+
+    async def _release_nixl(self, handoff: dict[str, Any]) -> None:
+        """vLLM's own release of a NIXL hand-off: a request submitted already aborted, under an
+        id of its own (never one of a live request), whose ``request_finished`` makes the
+        engine's NIXL worker notify the producer."""
+        self._remember_released(str(handoff.get("remote_request_id")))
+        params = {**handoff, "do_remote_prefill": True, "do_remote_decode": False}
+        release_id = f"release-{uuid.uuid4().hex}"
+        try:
+            await self.engine.notify_kv_transfer_request_rejected(release_id, params)
+        except Exception as exc:  # named policy: a failed release leaves it to the lease
+            log.warning(
+                "could not release the blocks of %s on its prefill worker: %s (its lease will)",
+                handoff.get("remote_request_id"),
+                exc,
+            )

@@ -6,7 +6,12 @@ yields ``TokenDelta``s and one final ``Finish``. Worker failures are retried, fa
 migrate as the table in ``gateway.recovery`` says. Whatever ends a generation early (client
 gone, worker failure, consumer stopping) sends ``Abort`` to every worker the request touched,
 from a background task: the caller may itself be under cancellation and must not await the
-network.
+network. The prompt's KV blocks on the prefill worker are released with it: under our
+connector by the prefill worker's ``Abort``; under vLLM's NixlConnector, whose prefill engine
+cannot release a finished prompt, by the decode worker's: its ``Abort`` brings the hand-off the
+call was given (or the one no decode call was given yet), and the decode worker releases it
+through its engine unless its engine has the request (then vLLM does). A NIXL hand-off is
+given to one decode worker only (``gateway.pairing.single_use_handoffs``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from gateway.events import (
     outcome_for,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.pairing import single_use_handoffs
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool, unless_down
 from gateway.recovery import Phase, alternative, backoff_s, continuation, migratable
 from gateway.routing import Route
@@ -46,7 +52,8 @@ KV_TRANSFER_FAILED = "kv_transfer_failed"  # a worker's x-pdserve-error reason
 
 
 AnyWorker = PrefillWorker | DecodeWorker
-AbortFn = Callable[[Sequence[AnyWorker], str], None]
+# abort(workers, internal request id, hand-off to release on a decode worker or None)
+AbortFn = Callable[[Sequence[AnyWorker], str, worker_pb2.KvTransferParams | None], None]
 
 
 class Generation:
@@ -91,6 +98,10 @@ class Generation:
         # (worker, internal id) of every call not yet known to be over: aborted at the end.
         self._calls: list[tuple[AnyWorker, str]] = []
         self._stream: DecodeStream | None = None
+        # The hand-off of the last prefill until a decode worker is given it (who releases it).
+        self._staged: worker_pb2.KvTransferParams | None = None
+        # Single-use hand-offs by the decode call (worker, internal id) that was given them.
+        self._given: dict[tuple[AnyWorker, str], worker_pb2.KvTransferParams] = {}
         self._first: worker_pb2.DecodeChunk | None = None
         self._last_token_at: float | None = None
         self._generated: list[int] = []
@@ -162,7 +173,17 @@ class Generation:
         """Abort one failed call now (its worker may still hold the request's state)."""
         if (worker, rid) in self._calls:
             self._calls.remove((worker, rid))
-            self._abort([worker], rid)
+            self._abort([worker], rid, self._given.pop((worker, rid), None))
+
+    def _single_use(self) -> bool:
+        """The current prefill worker's hand-offs are read once, released by decode workers."""
+        return self.prefill is not None and single_use_handoffs(self.prefill.capabilities)
+
+    def _release_staged(self) -> None:
+        """Release the hand-off no decode worker was given, where only one can (NIXL)."""
+        staged, self._staged = self._staged, None
+        if staged is not None and self._single_use():
+            self._abort([self.decode], new_attempt_id(), staged)
 
     async def _prefill(
         self, prompt: list[int], params: common_pb2.SamplingParams, rid: str
@@ -197,6 +218,7 @@ class Generation:
                 return None
             self._pool.mark_ok(worker)
             self.phase = Phase.KV_STAGED
+            self._staged = response.kv_transfer_params
             return response.kv_transfer_params
         return None
 
@@ -321,6 +343,15 @@ class Generation:
                     continue
                 tried.append(self.decode)
                 self._next_decode(tried, err)
+                if handoff is not None and self._single_use():
+                    # The failed decode worker may have read it: its blocks may be gone.
+                    if not local_ok:
+                        raise
+                    log.warning("request %s: %s; the hand-off is spent, the decode worker "
+                                "computes the prompt (policy 'local')", self.request_id,
+                                err.message)  # fmt: skip
+                    self._fall_back("handoff_spent")
+                    handoff = None
                 await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, len(tried)))
 
     def _next_decode(self, tried: list[DecodeWorker], err: WorkerFailed) -> None:
@@ -348,6 +379,10 @@ class Generation:
         rid: str,
     ) -> None:
         self._call(self.decode, rid)
+        if handoff is not None:
+            self._staged = None  # the decode worker owns its release from now on
+            if self._single_use():
+                self._given[(self.decode, rid)] = handoff
         call = self.decode.client.decode(rid, prompt, params, handoff, timeout=self._timeout_s)
         self._stream = DecodeStream(self.decode, rid, call, self._pool)
         self._end_decode_span({"pdserve.outcome": "retried"}, "retried")  # an earlier attempt
@@ -514,6 +549,7 @@ class Generation:
         )
         self._done = True
         self._calls.clear()  # every call ended normally
+        self._given.clear()
         self._pool.mark_ok(self.decode)
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
@@ -549,7 +585,8 @@ class Generation:
         )
         calls, self._calls = self._calls, []
         for worker, rid in calls:
-            self._abort([worker], rid)
+            self._abort([worker], rid, self._given.pop((worker, rid), None))
+        self._release_staged()
 
     def _end_decode_span(self, attributes: dict[str, Any], error: str | None = None) -> None:
         span, self._decode_span = self._decode_span, tracing.NO_SPAN

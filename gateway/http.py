@@ -161,6 +161,11 @@ def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
                 {"address": w.address, "role": w.role_name, "reason": w.refused}
                 for w in service.pool.refused()
             ],
+            # Prefill/decode pairs whose KV caches are not exchangeable (kv_compat differs):
+            # their requests are computed by the decode worker alone.
+            "unpaired_workers": [
+                {"prefill": p, "decode": d, "reason": why} for p, d, why in service.pool.unpaired()
+            ],
         }
         return JSONResponse(body, 200 if healthy else 503)
 

@@ -39,7 +39,7 @@ class GatewayMetrics:
         self.fallbacks = Counter(
             "pdserve_gateway_local_fallbacks",
             "Requests moved to the local path after a failure, by reason "
-            "(prefill_failed, kv_transfer_failed, no_handoff).",
+            "(prefill_failed, kv_transfer_failed, no_handoff, handoff_spent).",
             ["reason"],
             registry=r,
         )

@@ -5,8 +5,8 @@ Capabilities are fetched at start and every ``health_interval_s``; a worker whos
 worker that fails a request is ejected at once (``mark_failed``, a circuit breaker: no probe
 before its ejection time, which doubles while it keeps failing); while a worker is not
 healthy its ``down`` event is set, and requests streaming from it move on. Pairs of prefill and
-decode workers whose ``kv_compat`` maps differ are never compatible; each such pair is logged
-once as an error naming the differing keys.
+decode workers whose ``kv_compat`` maps differ are never compatible (``gateway.pairing``); each
+such pair is logged once as an error saying why, and listed in ``GET /health``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
+from gateway.pairing import kv_compat_diff, pairing_problem
 from gateway.prefill_pace import PrefillPace
 from pdserve.grpc_client import RpcCallError
 from pdserve.kvindex.interfaces import WorkerRecord
@@ -131,12 +132,6 @@ def identity_mismatch(
     return ""
 
 
-def kv_compat_diff(a: worker_pb2.Capabilities, b: worker_pb2.Capabilities) -> list[str]:
-    """Keys whose values differ between the two workers' ``kv_compat`` (missing counts)."""
-    keys = set(a.kv_compat) | set(b.kv_compat)
-    return sorted(k for k in keys if a.kv_compat.get(k) != b.kv_compat.get(k))
-
-
 class WorkerPool:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -149,7 +144,7 @@ class WorkerPool:
             Worker(a, worker_pb2.ROLE_DECODE, DecodeClient(a, default_timeout_s=timeout))
             for a in settings.decode_workers
         ]
-        self._incompatible: dict[tuple[str, str], list[str]] = {}
+        self._incompatible: dict[tuple[str, str], str] = {}  # (prefill, decode) -> why
         self.model_name = ""  # the served model workers must report (set by the gateway)
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
@@ -360,23 +355,27 @@ class WorkerPool:
                     continue
                 key = (p.address, d.address)
                 diff = kv_compat_diff(p.capabilities, d.capabilities)
-                if diff and self._incompatible.get(key) != diff:
+                why = pairing_problem(p.capabilities, d.capabilities)
+                if why and self._incompatible.get(key) != why:
                     log.error(
                         "refusing to pair prefill worker %s with decode worker %s: kv_compat "
-                        "differs in %s (prefill: %s; decode: %s)",
+                        "differs in %s: %s; their requests take the local path",
                         p.address,
                         d.address,
                         diff,
-                        {k: p.capabilities.kv_compat.get(k) for k in diff},
-                        {k: d.capabilities.kv_compat.get(k) for k in diff},
+                        why,
                     )
-                if diff:
-                    self._incompatible[key] = diff
+                if why:
+                    self._incompatible[key] = why
                 else:
                     self._incompatible.pop(key, None)
 
     def compatible(self, prefill: PrefillWorker, decode: DecodeWorker) -> bool:
         return (prefill.address, decode.address) not in self._incompatible
+
+    def unpaired(self) -> list[tuple[str, str, str]]:
+        """(prefill address, decode address, why) of every pair the gateway refuses."""
+        return [(p, d, why) for (p, d), why in sorted(self._incompatible.items())]
 
     def refused(self) -> list[PrefillWorker | DecodeWorker]:
         """Workers reachable but not routed to, because their identity differs."""

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from decode_service.client import DecodeClient
 from gateway import request_log
 from gateway.config import GatewaySettings
 from gateway.errors import (
@@ -41,7 +42,7 @@ from gateway.pool import WorkerPool
 from gateway.routing import Route, RouteRequest
 from pdserve import tracing
 from pdserve.grpc_client import RpcCallError
-from protos.v1 import common_pb2
+from protos.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -285,18 +286,35 @@ class GenerationService:
         self.metrics.decisions.labels(self.picker.name, path).inc()
         return route
 
-    def abort_later(self, workers: Sequence[AnyWorker], request_id: str) -> None:
-        """Send ``Abort`` to ``workers`` from a background task (safe under cancellation)."""
-        task = asyncio.create_task(self._abort(list(workers), request_id))
+    def abort_later(
+        self,
+        workers: Sequence[AnyWorker],
+        request_id: str,
+        handoff: worker_pb2.KvTransferParams | None = None,
+    ) -> None:
+        """Send ``Abort`` to ``workers`` from a background task (safe under cancellation);
+        ``handoff``: for decode workers, a hand-off to release on its prefill worker."""
+        task = asyncio.create_task(self._abort(list(workers), request_id, handoff))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, workers: Sequence[AnyWorker], request_id: str) -> None:
-        await asyncio.gather(*(self._abort_one(w, request_id) for w in workers))
+    async def _abort(
+        self,
+        workers: Sequence[AnyWorker],
+        request_id: str,
+        handoff: worker_pb2.KvTransferParams | None,
+    ) -> None:
+        await asyncio.gather(*(self._abort_one(w, request_id, handoff) for w in workers))
 
-    async def _abort_one(self, worker: AnyWorker, request_id: str) -> None:
+    async def _abort_one(
+        self, worker: AnyWorker, request_id: str, handoff: worker_pb2.KvTransferParams | None
+    ) -> None:
+        timeout = self.settings.control_timeout_s
         try:
-            found = await worker.client.abort(request_id, timeout=self.settings.control_timeout_s)
+            if handoff is not None and isinstance(worker.client, DecodeClient):
+                found = await worker.client.abort(request_id, timeout, handoff)
+            else:
+                found = await worker.client.abort(request_id, timeout=timeout)
         except RpcCallError as err:
             log.info("request %s: abort on %s failed: %s", request_id, worker.address, err)
             return

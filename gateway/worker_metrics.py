@@ -1,4 +1,5 @@
-"""Per-worker gauges of the gateway's ``/metrics``, read from the worker pool at scrape time.
+"""Per-worker gauges and counters of the gateway's ``/metrics``, read from the worker pool at
+scrape time.
 
 Labels: ``role`` ("prefill" or "decode") and ``worker`` (the worker's own name, its address
 until it has answered). Exported for exactly the workers in the pool now: one that left the
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LABELS = ["role", "worker"]
@@ -52,14 +53,36 @@ GAUGES: Sequence[tuple[str, str, Callable[[WorkerView], float]]] = (
 )  # fmt: skip
 
 
+# Counters of the worker's own (since it started; a restart starts them over, which
+# Prometheus' rate() handles): vLLM's NIXL transfer statistics (pdserve.worker.nixl_stats).
+# With pdserve's connector they stay 0: its transfers are per request, in
+# pdserve_gateway_kv_transfer_bytes / _seconds.
+COUNTERS: Sequence[tuple[str, str, str]] = (
+    ("kv_transfers", "kv_transfers", "KV transfers the worker's NIXL connector finished "
+     "(decode workers: reads from prefill workers)."),
+    ("kv_transfer_bytes", "kv_bytes", "Bytes of KV cache those transfers moved."),
+    ("kv_transfer_seconds", "kv_transfer_seconds", "Seconds those transfers took (NIXL's "
+     "own measurement); bytes / seconds is the KV throughput."),
+    ("kv_transfer_failures", "kv_transfer_failures", "Failed NIXL transfers, handshakes and "
+     "notifications."),
+    ("kv_leases_expired", "kv_leases_expired", "Prefill workers: hand-offs whose KV blocks "
+     "were freed at the end of their lease, unread."),
+)  # fmt: skip
+
+
 class WorkerCollector(Collector):
     def __init__(self, workers: Callable[[], Iterable[WorkerView]]) -> None:
         self.workers = workers
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         workers = list(self.workers())
         for suffix, text, read in GAUGES:
             family = GaugeMetricFamily(f"pdserve_gateway_worker_{suffix}", text, labels=LABELS)
             for worker in workers:
                 family.add_metric([worker.role_name, worker.worker_id], read(worker))
             yield family
+        for suffix, field, text in COUNTERS:
+            counter = CounterMetricFamily(f"pdserve_gateway_worker_{suffix}", text, labels=LABELS)
+            for worker in workers:
+                counter.add_metric([worker.role_name, worker.worker_id], worker.reported(field))
+            yield counter

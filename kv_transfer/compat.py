@@ -113,14 +113,58 @@ def attention_isa(vllm_config: Any) -> str:
     )
 
 
+def handoff_connector(kv_transfer_config: Any) -> str:
+    """The class name of the connector that moves hand-offs: the engine's connector, or under
+    vLLM's MultiConnector (a KV tier beneath) its first child."""
+    name = str(kv_transfer_config.kv_connector)
+    if name == "MultiConnector":
+        children = kv_transfer_config.kv_connector_extra_config.get("connectors") or [{}]
+        name = str(children[0].get("kv_connector") or name)
+    return name
+
+
+def connector_identity(vllm_config: Any) -> str:
+    """Which protocol moves this engine's KV blocks, and in which version: two workers must
+    speak the same one. Ours: its wire version. vLLM's NixlConnector: its own version and
+    vLLM's, both of which its handshake requires to be equal
+    (vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py:145-204), and pull mode."""
+    config = getattr(vllm_config, "kv_transfer_config", None)
+    name = handoff_connector(config) if config is not None else "PdserveConnector"
+    if name in ("NixlConnector", "NixlPullConnector"):
+        from vllm import __version__ as vllm_version
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NIXL_CONNECTOR_VERSION,
+        )
+
+        return f"NixlConnector/{NIXL_CONNECTOR_VERSION}/pull/vllm-{vllm_version}"
+    if name == "PdserveConnector":
+        return f"PdserveConnector/{WIRE_VERSION}"
+    return name
+
+
+def kv_cache_layout(vllm_config: Any) -> str:
+    """The KV cache layout as far as the configuration decides it: an explicit choice, else
+    the one the connector requires (NIXL: LBHNC except for MLA,
+    nixl/connector.py:143-161, applied by vllm/distributed/kv_transfer/kv_connector/utils.py:
+    47-60), else "auto" (the engine core resolves it from the attention backend)."""
+    chosen = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if chosen:
+        return str(chosen)
+    if getattr(vllm_config, "kv_transfer_config", None) is None:
+        return "auto"
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    return str(get_kv_connector_cache_layout(vllm_config) or "auto")
+
+
 def describe(vllm_config: Any) -> dict[str, str]:
     """The compatibility description of an engine, from its configuration."""
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    return {
-        "connector": f"PdserveConnector/{WIRE_VERSION}",
+    description = {
+        "connector": connector_identity(vllm_config),
         "model": model_fingerprint(model.hf_config),
         "weights": weights_identity(str(model.model), getattr(model, "revision", None)),
         "quantization": str(getattr(model, "quantization", None) or "none"),
@@ -133,12 +177,15 @@ def describe(vllm_config: Any) -> dict[str, str]:
         "tensor_parallel_size": str(parallel.tensor_parallel_size),
         "platform": str(current_platform.device_type),
         "attention_isa": attention_isa(vllm_config),
-        # Unresolved ("auto") until the engine core resolves it; an explicit choice differs.
-        "kv_cache_layout": str(
-            getattr(vllm_config.cache_config, "kv_cache_layout", None) or "auto"
-        ),
+        "kv_cache_layout": kv_cache_layout(vllm_config),
         "kv_cache_layout_env": os.environ.get("VLLM_KV_CACHE_LAYOUT", "") or "-",
     }
+    if not current_platform.is_cpu():
+        # The attention backend decides how a GPU block is laid out; NIXL's handshake requires
+        # the same on both sides (metadata.py:185-199). "auto": vLLM picks it per GPU.
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        description["attention_backend"] = str(getattr(backend, "name", backend) or "auto")
+    return description
 
 
 def layer_bytes(block_bytes: list[int]) -> str:

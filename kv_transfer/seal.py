@@ -26,6 +26,7 @@ DIGEST = "pdserve_prompt_digest"
 EPOCH = "pdserve_epoch"
 SEAL = "pdserve_seal"
 TP_SIZE = "remote_tp_size"
+NIXL_FIELDS = ("tp_size", "dcp_size", "pp_size", "transfer_mode")
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -51,7 +52,13 @@ def _signed_text(params: dict[str, Any]) -> str:
         str(params.get(DIGEST) or ""),
         str(params.get(EPOCH) or ""),
     ]
-    return json.dumps(fields, separators=(",", ":"))
+    # vLLM's NixlConnector's own fields that a decode engine acts on (the producer's parallel
+    # layout: nixl/pull_scheduler.py:286-291); absent from our connector's hand-offs, whose
+    # signed text is then unchanged.
+    nixl = {key: params[key] for key in NIXL_FIELDS if params.get(key) is not None}
+    if nixl:
+        fields.append(nixl)
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True)
 
 
 def seal(params: dict[str, Any], secret: bytes | None) -> dict[str, Any]:

@@ -10,6 +10,8 @@
   streams) against a direct connection to the decode worker, in the same run.
 - ``pdserve bench soak``: minutes of mixed load with periodic worker faults; failed requests,
   memory growth and p99 drift.
+- ``pdserve bench gpu``: the GPU path end to end on one GPU (NIXL), greedy parity with
+  ``vllm serve``, KV GB/s, then ``bench serve`` (needs an NVIDIA GPU; not run in CI).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BENCHES = {
     "gateway": "pdserve.bench_gateway",
     "soak": "pdserve.bench_soak",
     "tier": "pdserve.bench_tier",
+    "gpu": "pdserve.bench_gpu",
 }
 
 

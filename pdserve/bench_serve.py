@@ -4,7 +4,9 @@ One run starts a pdserve cluster (``pdserve up``), drives every workload through
 vLLM's own benchmark client (``vllm bench serve``), stops it, then does the same with one
 monolithic ``vllm serve`` engine on all the cores, with the engine arguments pdserve's workers
 use (``pdserve.worker.engine``: dtype for this CPU, eager, prefix caching) and the same total
-KV cache. Workloads:
+KV cache. On a GPU machine both run on the GPUs (``--gpus``): pdserve's engines with NIXL and
+their memory shares, the monolith alone on the first of those GPUs with vLLM's default memory
+share (0.9, what pdserve's engines on one GPU share: ``pdserve.up_gpu``). Workloads:
 
 - ``random``: fixed-length random prompts (default 512 in / 64 out, 32 prompts, concurrency 4);
 - ``shared_prefix``: prompts that share a few long prefixes (vLLM's ``prefix_repetition``);
@@ -47,6 +49,9 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", help="model directory (default: prepared)")
+    parser.add_argument("--gpus", default="", help="GPUs to use, e.g. '0' (default: all)")
+    parser.add_argument("--engine-args", default="", help="vLLM engine arguments of both")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="pdserve,vllm (order run)")
     parser.add_argument(
@@ -108,13 +113,9 @@ def child_process(
 
 @contextmanager
 def pdserve_cluster(args: argparse.Namespace, out: Path) -> Iterator[str]:
+    argv = pdserve_up_argv(args, out)
+    topology = argv[argv.index("up") + 1 : argv.index("--http-port")]
     p = args.port
-    topology = ["--prefill", str(args.prefill)] if args.prefill else []
-    topology += ["--decode", str(args.decode)] if args.decode else []
-    argv = [sys.executable, "-m", "pdserve", "up", *topology, "--http-port", str(p),
-            "--grpc-port", str(p + 1), "--prefill-port", str(p + 10), "--decode-port",
-            str(p + 30), "--kv-port", str(p + 50),
-            "--log-dir", str(out / "pdserve-logs")]  # fmt: skip
     log = out / "pdserve-up.log"
     print(f"  starting pdserve up {' '.join(topology) or '(its default topology)'} (log {log})")
     with child_process(argv, dict(os.environ), log) as process:
@@ -122,7 +123,23 @@ def pdserve_cluster(args: argparse.Namespace, out: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{p}"
 
 
-def _wait_for_banner(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
+def pdserve_up_argv(args: argparse.Namespace, out: Path) -> list[str]:
+    """``pdserve up`` on ports from ``--port`` on (NIXL side channels from --port + 70)."""
+    p = args.port
+    topology = ["--prefill", str(args.prefill)] if args.prefill else []
+    topology += ["--decode", str(args.decode)] if args.decode else []
+    options = ["--model", args.model] if args.model else []
+    options += ["--gpus", args.gpus] if args.gpus else []
+    if args.engine_args:  # "=": a value starting with "--" would be read as a flag
+        options += [f"--prefill-engine-args={args.engine_args}",
+                    f"--decode-engine-args={args.engine_args}"]  # fmt: skip
+    return [sys.executable, "-m", "pdserve", "up", *topology, "--http-port", str(p),
+            "--grpc-port", str(p + 1), "--prefill-port", str(p + 10), "--decode-port",
+            str(p + 30), "--kv-port", str(p + 50), "--nixl-port", str(p + 70), *options,
+            "--startup-timeout-s", "1800", "--log-dir", str(out / "pdserve-logs")]  # fmt: skip
+
+
+def _wait_for_banner(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 1800) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if "pdserve is up" in log.read_text(errors="replace"):
@@ -133,22 +150,39 @@ def _wait_for_banner(log: Path, process: subprocess.Popen[bytes], timeout_s: flo
     raise RuntimeError(f"pdserve up was not ready after {timeout_s:.0f} s; see {log}")
 
 
-def monolith_argv(model: str, name: str, port: int) -> list[str]:
-    """``vllm serve`` with the engine arguments a pdserve worker gets on this machine."""
+def monolith_argv(
+    model: str, name: str, port: int, gpu: bool = False, engine_args: str = ""
+) -> list[str]:
+    """``vllm serve`` with the engine arguments a pdserve worker gets on this machine (on a
+    GPU: pdserve's common ones; on a CPU also its CPU defaults), then the user's."""
+    import shlex
+
     from pdserve.worker.engine import COMMON_DEFAULT_ARGS, cpu_default_args
 
-    cpu_args, _ = cpu_default_args([])
+    user = shlex.split(engine_args)
+    cpu_args = [] if gpu else cpu_default_args(user)[0]
     return [sys.executable, "-m", "pdserve.vllm_cli", "serve", model, "--served-model-name",
             name, "--host", "127.0.0.1", "--port", str(port), *COMMON_DEFAULT_ARGS, *cpu_args,
-            "--disable-uvicorn-access-log"]  # fmt: skip
+            *user, "--disable-uvicorn-access-log"]  # fmt: skip
 
 
 @contextmanager
 def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
-    from pdserve.up import format_cores, usable_cores
+    from pdserve.placement import detect_gpus, format_cores, usable_cores
     from pdserve.worker.config import WorkerSettings
 
     port = args.port + 5
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or detect_gpus()
+    if gpus:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0], "HF_HUB_OFFLINE": "1",
+               "PYTHONHASHSEED": "42"}  # fmt: skip
+        log = out / "vllm-serve.log"
+        print(f"  starting monolithic vllm serve on GPU {gpus[0]} (log {log})")
+        argv = monolith_argv(model, name, port, gpu=True, engine_args=args.engine_args)
+        with child_process(argv, env, log) as process:
+            _wait_http(f"http://127.0.0.1:{port}/health", process, 1800, "vllm serve")
+            yield f"http://127.0.0.1:{port}"
+        return
     cores = usable_cores()
     engines = (args.prefill or 1) + (args.decode or 1)
     # The same KV memory in total as the pdserve engines, all the cores, one OpenMP thread each.
@@ -157,7 +191,8 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
            "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores), "PYTHONHASHSEED": "42"}  # fmt: skip
     log = out / "vllm-serve.log"
     print(f"  starting monolithic vllm serve on cores {format_cores(cores)} (log {log})")
-    with child_process(monolith_argv(model, name, port), env, log) as process:
+    argv = monolith_argv(model, name, port, engine_args=args.engine_args)
+    with child_process(argv, env, log) as process:
         _wait_http(f"http://127.0.0.1:{port}/health", process, 900, "vllm serve")
         yield f"http://127.0.0.1:{port}"
 
@@ -274,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
         workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names early
     out = Path(args.out or tempfile.mkdtemp(prefix="pdserve-bench-serve-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model, name = resolve_model(None), served_model_name("")
+    model = resolve_model(args.model or None)
+    name = served_model_name(args.model)
     info = machine.cpu_info()
     print(f"bench serve: {machine.describe(info)}")
     print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; results in {out}")

@@ -73,6 +73,8 @@ class Recorder(Generic[R]):
     requests: list[R] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    # (request id, hand-off) of every Abort that brought a hand-off to release.
+    releases: list[tuple[str, worker_pb2.KvTransferParams]] = field(default_factory=list)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     keep: bool = True  # False: a load benchmark, nobody reads the requests back
 
@@ -82,8 +84,10 @@ class Recorder(Generic[R]):
         self.requests.append(request)
         self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
 
-    def abort(self, request_id: str) -> worker_pb2.AbortResponse:
-        self.aborts.append(request_id)
+    def abort(self, request: worker_pb2.AbortRequest) -> worker_pb2.AbortResponse:
+        self.aborts.append(request.request_id)
+        if request.HasField("kv_transfer_params"):
+            self.releases.append((request.request_id, request.kv_transfer_params))
         self.aborted.set()
         return worker_pb2.AbortResponse(found=True)
 
@@ -138,7 +142,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         return response
 
     async def Abort(self, request, context):  # type: ignore[no-untyped-def]
-        return self.seen.abort(request.request_id)
+        return self.seen.abort(request)
 
     async def GetCapabilities(self, request, context):  # type: ignore[no-untyped-def]
         return self.caps
@@ -246,7 +250,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return [self.pieces[(start + i) % len(self.pieces)] for i in range(limit)]
 
     async def Abort(self, request, context):  # type: ignore[no-untyped-def]
-        return self.seen.abort(request.request_id)
+        return self.seen.abort(request)
 
     async def GetCapabilities(self, request, context):  # type: ignore[no-untyped-def]
         return self.caps

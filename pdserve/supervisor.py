@@ -11,6 +11,9 @@ A child that fails before it was ever ready is a configuration error (a bad argu
 use): restarting it would only loop, so everything stops with its log tail. A child that exits
 after it was ready once is restarted after a backoff (``pdserve.backoff``), with the same
 command and environment, while the others keep running.
+
+A child may wait for others (``after``): it is started once they are all ready for the first
+time, e.g. engines that share one GPU, which measure their memory use while they start.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class ChildSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # added to the supervisor's environment
     ready_check: ReadyCheck | None = None  # None: ready as soon as it has started
     stop_stage: int = 0  # stopped in ascending stage; children of one stage are stopped together
+    after: tuple[str, ...] = ()  # started once these children (by name) have been ready
 
 
 # A day of vLLM logging can be many MB; the tail needs only the end of the file.
@@ -101,6 +105,8 @@ class Child:
         return time.monotonic() - self.started_at
 
     def status(self) -> str:
+        if self.proc is None:
+            return f"{self.name} (starts after {', '.join(self.spec.after)})"
         if self.restart_at is not None:
             return (
                 f"{self.name} (restarting in {max(0.0, self.restart_at - time.monotonic()):.0f} s)"
@@ -242,7 +248,11 @@ class Supervisor:
             child.kill_group()
 
     def _start_all(self) -> _Outcome | None:
+        """Start every child that waits for none, and those whose predecessors are ready."""
+        ready = {c.name for c in self._children if c.ever_ready}
         for child in self._children:
+            if child.proc is not None or not set(child.spec.after) <= ready:
+                continue
             try:
                 child.start()
             except OSError as exc:
@@ -259,8 +269,15 @@ class Supervisor:
             failed = self._handle_exits()
             if failed is not None:
                 return _Outcome("exited", (failed,))
+            not_started = self._start_all()
+            if not_started is not None:
+                return not_started
             self._restart_due()
-            pending = [c for c in self._children if c.restart_at is None and not c.ready]
+            pending = [
+                c
+                for c in self._children
+                if c.proc is not None and c.restart_at is None and not c.ready
+            ]
             await asyncio.gather(*(self._probe(c) for c in pending))
             if not self._all_ready_once:
                 if all(c.ready for c in self._children):

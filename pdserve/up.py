@@ -1,9 +1,9 @@
 """``pdserve up``: a local cluster (prefill workers, decode workers, gateway), supervised.
 
-Every vLLM engine gets its own GPU (``CUDA_VISIBLE_DEVICES``) or, on a machine without one, its
-own CPU cores (``--cpu-cores``; two engines on one core halve each other's speed, see
-notes/vllm-cpu.md). Starting, readiness, logs, restarts and shutdown are pdserve.supervisor's
-job; every process (workers, gateway, the private redis-server) is one of its children.
+Every vLLM engine gets its own GPU or its own CPU cores (``pdserve.placement``); on GPUs the
+workers move KV caches with vLLM's NixlConnector (``pdserve.up_gpu``). Starting, readiness,
+logs, restarts and shutdown are pdserve.supervisor's job; every process (workers, gateway, the
+private redis-server) is one of its children.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ import asyncio
 import http.client
 import json
 import os
-import re
 import shlex
-import shutil
 import socket
-import subprocess
 import sys
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -31,8 +28,9 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings
 
 from pdserve import settings as shared
-from pdserve import up_tier
+from pdserve import up_gpu, up_tier
 from pdserve.backoff import Backoff
+from pdserve.placement import Placement, detect_gpus, place_engines, usable_cores
 from pdserve.redis_server import RedisServerError, answers, free_port, server_command
 from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.supervisor import (
@@ -61,6 +59,20 @@ class UpSettings(BaseSettings):
     prefill_port: int = Field(shared.PREFILL_GRPC_PORT, description="gRPC port of prefill-0 (+i)")
     decode_port: int = Field(shared.DECODE_GRPC_PORT, description="gRPC port of decode-0 (+i)")
     kv_port: int = Field(shared.PREFILL_KV_PORT, description="KV port of prefill-0 (+i)")
+    kv_connector: up_gpu.ConnectorChoice = Field(
+        "auto",
+        description="KV connector of every worker: auto (nixl when GPUs are found, else "
+        "pdserve), pdserve (TCP, CPU KV caches only) or nixl (vLLM's NixlConnector)",
+    )
+    gpus: str = Field(
+        "", description="GPUs the engines use, e.g. '0' or '0,1' (default: every GPU found)"
+    )
+    nixl_port: int = Field(
+        up_gpu.DEFAULT_NIXL_PORT,
+        ge=1,
+        description="nixl: NIXL side-channel port of prefill-0; every worker takes the next "
+        "(prefill workers first, then decode workers)",
+    )
     redis_url: str = Field(
         "", description="Redis for discovery and the prefix index (empty: a private redis-server)"
     )
@@ -118,86 +130,6 @@ class UpSettings(BaseSettings):
         if problem:
             raise ValueError(problem)
         return self
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one vLLM engine runs: CPU cores (``--cpu-cores``) or a GPU (``env``)."""
-
-    cpu_cores: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-
-
-def format_cores(cores: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the form of VLLM_CPU_OMP_THREADS_BIND)."""
-    runs: list[list[int]] = []
-    for core in sorted(cores):
-        if runs and core == runs[-1][-1] + 1:
-            runs[-1].append(core)
-        else:
-            runs.append([core])
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-
-
-def assign_cpu_cores(engines: int, cores: Sequence[int]) -> list[str]:
-    """One ``--cpu-cores`` value per engine: ``cores`` split into contiguous shares, or, with
-    more engines than cores, "nobind" for all: two engines pinned to one core starve each
-    other (a prefill engine holding blocks for a pull spins on its core, and a decode engine
-    pinned there made no progress until the lease ran out), so the OS schedules them."""
-    ordered = sorted(cores)
-    if engines > len(ordered):
-        return ["nobind"] * engines
-    share, extra = divmod(len(ordered), engines)
-    values, start = [], 0
-    for i in range(engines):
-        size = share + (1 if i < extra else 0)
-        values.append(format_cores(ordered[start : start + size]))
-        start += size
-    return values
-
-
-def place_engines(
-    engines: int, gpus: Sequence[str], cores: Sequence[int]
-) -> tuple[list[Placement], str | None]:
-    """A placement per engine (GPUs round-robin if any, else CPU cores) and a warning if shared."""
-    if gpus:
-        placements = [
-            Placement(env={"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}) for i in range(engines)
-        ]
-        shared_what = f"{len(gpus)} GPU(s)" if engines > len(gpus) else None
-    else:
-        placements = [
-            # Unpinned engines (more engines than cores) get one OpenMP thread each, as a
-            # pinned engine has: vLLM's kernels then compute bit-identically to it (with more
-            # threads, a prompt's last token computed alone rounds differently).
-            Placement(cpu_cores=c, env={"OMP_NUM_THREADS": "1"} if c == "nobind" else {})
-            for c in assign_cpu_cores(engines, cores)
-        ]
-        shared_what = f"{len(cores)} CPU core(s)" if engines > len(cores) else None
-    warning = f"warning: {engines} engines share {shared_what}" if shared_what else None
-    return placements, warning
-
-
-def parse_gpu_list(text: str) -> list[str]:
-    """GPU indices from ``nvidia-smi -L`` output (``GPU 0: NVIDIA H100 (UUID: ...)``)."""
-    return re.findall(r"^GPU (\d+):", text, flags=re.MULTILINE)
-
-
-def detect_gpus() -> list[str]:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    try:
-        done = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return parse_gpu_list(done.stdout) if done.returncode == 0 else []
-
-
-def usable_cores() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def grpc_serving(address: str) -> ReadyCheck:
@@ -259,25 +191,39 @@ def _engine_flags(s: UpSettings, placement: Placement, engine_args: str) -> list
     flags = ["--model", s.model] if s.model else []
     if placement.cpu_cores is not None:
         flags += ["--cpu-cores", placement.cpu_cores]
+    engine_args = up_gpu.with_memory_share(engine_args, placement.memory_share)
     if engine_args:  # "=": a separate value starting with "--" would be read as a flag
         flags.append(f"--engine-args={engine_args}")
     return flags
 
 
-def worker_spec(s: UpSettings, role: str, index: int, placement: Placement) -> ChildSpec:
-    """``role`` is "prefill" or "decode"; worker ``i`` takes port base + ``i``."""
+def worker_spec(
+    s: UpSettings,
+    role: str,
+    index: int,
+    placement: Placement,
+    connector: str = "pdserve",
+    after: tuple[str, ...] = (),
+) -> ChildSpec:
+    """``role`` is "prefill" or "decode"; worker ``i`` takes port base + ``i``; with nixl, its
+    side-channel port is ``--nixl-port`` + its place among all workers (prefill first)."""
     name = f"{role}-{index}"
     if role == "prefill":
         port, engine_args = s.prefill_port + index, s.prefill_engine_args
         kv_flags = ["--kv-port", str(s.kv_port + index)]
     else:
         port, engine_args, kv_flags = s.decode_port + index, s.decode_engine_args, []
+    if connector == "nixl":
+        prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, s.prefill, s.decode)
+        side = (prefill_ports if role == "prefill" else decode_ports)[index]
+        kv_flags = ["--kv-connector", "nixl", "--nixl-port", str(side)]
     redis = ["--redis-url", s.redis_url] if s.redis_url else []
     tier = up_tier.worker_flags(s.kv_tier, s.kv_tier_url, s.kv_tier_cpu_gib, name)
     flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis, *tier]
     argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
     env = {**CHILD_ENV, **placement.env}
-    return ChildSpec(name, argv, env, grpc_serving(f"127.0.0.1:{port}"), stop_stage=1)
+    ready = grpc_serving(f"127.0.0.1:{port}")
+    return ChildSpec(name, argv, env, ready, stop_stage=1, after=after)
 
 
 def gateway_spec(s: UpSettings) -> ChildSpec:
@@ -299,10 +245,19 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
 def build_specs(
     s: UpSettings, gpus: Sequence[str], cores: Sequence[int]
 ) -> tuple[list[ChildSpec], str | None]:
-    """Workers first, then the gateway (stopped first: stop_stage 0); and a sharing warning."""
+    """Workers first, then the gateway (stopped first: stop_stage 0); and a sharing warning.
+    Raises ``up_gpu.ConnectorError`` when the requested connector cannot run here."""
+    connector = up_gpu.connector_for(s.kv_connector, gpus)
     placements, warning = place_engines(s.prefill + s.decode, gpus, cores)
-    specs = [worker_spec(s, "prefill", i, placements[i]) for i in range(s.prefill)]
-    specs += [worker_spec(s, "decode", i, placements[s.prefill + i]) for i in range(s.decode)]
+    names = [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
+    after = [
+        (names[j],) if j is not None else ()
+        for j in up_gpu.starts_after([p.gpu for p in placements])
+    ]
+    specs = []
+    for i, name in enumerate(names):
+        role, index = name.split("-")
+        specs.append(worker_spec(s, role, int(index), placements[i], connector, after[i]))
     return [*specs, gateway_spec(s)], warning
 
 
@@ -345,12 +300,16 @@ def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
     )
 
 
-def busy_ports(s: UpSettings) -> list[int]:
+def busy_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
     """Ports of the cluster that something already listens on (e.g. a previous ``up``)."""
     wanted = [(s.host, s.http_port), (s.host, s.grpc_port)]
     wanted += [("127.0.0.1", s.prefill_port + i) for i in range(s.prefill)]
-    wanted += [("127.0.0.1", s.kv_port + i) for i in range(s.prefill)]
     wanted += [("127.0.0.1", s.decode_port + i) for i in range(s.decode)]
+    if connector == "nixl":
+        prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, s.prefill, s.decode)
+        wanted += [("127.0.0.1", port) for port in (*prefill_ports, *decode_ports)]
+    else:
+        wanted += [("127.0.0.1", s.kv_port + i) for i in range(s.prefill)]
     busy = []
     for host, port in wanted:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -411,13 +370,20 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
         return 2
-    busy = busy_ports(s)
+    gpus = [g.strip() for g in s.gpus.split(",") if g.strip()] if s.gpus else detect_gpus()
+    try:
+        connector = up_gpu.connector_for(s.kv_connector, gpus)
+    except up_gpu.ConnectorError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    busy = busy_ports(s, connector)
     if busy:
         ports = ", ".join(map(str, busy))
         print(f"pdserve up: port(s) {ports} in use (another pdserve up?)", file=sys.stderr)
         return 1
     log_dir = Path(s.log_dir).resolve()
     print(f"pdserve up: logs in {log_dir}", flush=True)
+    print(up_gpu.choice_line(connector, gpus, s.nixl_port, s.prefill + s.decode), flush=True)
     secret_env = deployment_secret_env(log_dir)
     given = s
     try:
@@ -430,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     if s.kv_tier_url != given.kv_tier_url:
         limit = f"maxmemory {s.kv_tier_redis_gib:g} GiB, allkeys-lru"
         print(f"pdserve up: KV tier redis-server on {s.kv_tier_url} ({limit})", flush=True)
-    specs, warning = build_specs(s, detect_gpus(), usable_cores())
+    specs, warning = build_specs(s, gpus, usable_cores())
     specs = [*redis, *(replace(spec, env={**spec.env, **secret_env}) for spec in specs)]
     if warning:
         print(warning, flush=True)

@@ -1,21 +1,31 @@
 """Prefill core: compute a prompt, keep its KV blocks pinned, return where to pull them.
 
-The engine runs the prompt with ``max_tokens=1`` and ``do_remote_decode``; the connector pins
-the blocks under a lease and returns the hand-off. ``abort`` stops the prompt if it is still
-running and unpins its blocks at once if the engine finished it, whether this service saw the
-hand-off or not (the RPC may have been cancelled meanwhile): the transfer process knows each
-job by this service's request id too (``RELEASE_KEY``), and applies a release that overtakes
-the job when the job arrives.
+The engine runs the prompt shaped for the hand-off (``handoff_request_params``: one token,
+``ignore_eos``, ``do_remote_decode``); the connector pins the blocks under a lease and returns
+the hand-off, which this service ties to the prompt (its digest, sealed with the deployment
+secret) for vLLM's NixlConnector as our own connector does itself.
+
+``abort`` stops the prompt if it is still running: vLLM's connectors then free its blocks at
+once (an aborted request is never handed off: nixl/pull_scheduler.py:235-244). With our
+connector it also unpins the blocks of a finished prompt, whether this service saw the hand-off
+or not (the RPC may have been cancelled meanwhile): the transfer process knows each job by this
+service's request id too (``RELEASE_KEY``), and applies a release that overtakes the job when
+the job arrives. A finished prompt's blocks under NIXL are freed only by a decode engine's
+notification or at the end of the lease (vLLM has no producer-side release: a finished request
+is no longer abortable, vllm/v1/core/sched/scheduler.py:2677-2681); the gateway asks a decode
+worker to release them (``decode_service``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer import CONNECTOR_NAME
+from kv_transfer import seal
 from kv_transfer.client import RELEASE_KEY, release_by_key
 from kv_transfer.errors import KVTransferError
 from pdserve.worker.engine_times import EnginePhases
@@ -34,13 +44,54 @@ class PrefillResult:
     phases: EnginePhases = field(default_factory=EnginePhases)
 
 
+def handoff_request_params(request_id: str, connector: str) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` fields of a prefill request, shaped for the hand-off.
+
+    - ``max_tokens=1`` and ``ignore_eos``: the request ends after its first token with
+      FINISHED_LENGTH_CAPPED, whatever that token is. vLLM checks EOS and stop tokens before the
+      length (vllm/v1/core/sched/utils.py:104-119), and ``ignore_eos`` keeps the EOS id and the
+      generation config's EOS ids out of the stop set (vllm/sampling_params.py:778-800), so a
+      first token that is EOS does not end it as FINISHED_STOPPED. vLLM 0.32's NixlConnector
+      hands off LENGTH_CAPPED and STOPPED requests (nixl/pull_scheduler.py:235-244), earlier
+      releases LENGTH_CAPPED only; our connector both (kv_transfer.scheduler). The token
+      sampled here is discarded: the decode engine samples its own first token.
+    - ``do_remote_decode``: the request is a producer's (nixl/pull_scheduler.py:212: is_p_node;
+      nixl/base_scheduler.py:199-203).
+    - no stop strings, logprobs or detokenization: nothing else can end or slow it.
+    - with our connector, this service's request id as the release key (see the module doc).
+    """
+    handoff: dict[str, Any] = {"do_remote_decode": True}
+    if connector == "pdserve":
+        handoff[RELEASE_KEY] = request_id
+    return {
+        "max_tokens": 1,
+        "ignore_eos": True,
+        "detokenize": False,
+        "extra_args": {"kv_transfer_params": handoff},
+    }
+
+
+def tie_to_prompt(
+    handoff: dict[str, Any], token_ids: Sequence[int], epoch: str, secret: bytes | None
+) -> dict[str, Any]:
+    """A hand-off of vLLM's NixlConnector tied to its prompt as our connector ties its own
+    (``kv_transfer.seal``): the prompt's digest and this worker's epoch, sealed with the
+    deployment secret, so that a decode worker refuses it for any other prompt and nobody
+    without the secret can point a decode engine at a made-up producer."""
+    tied = {**handoff, seal.DIGEST: seal.prompt_digest(token_ids), seal.EPOCH: epoch}
+    return seal.seal(tied, secret)
+
+
 class PrefillService(WorkerService):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         config = getattr(self.engine, "vllm_config", None)
         self.tp_size = int(config.parallel_config.tensor_parallel_size) if config else 1
-        # Only pdserve's connector has transfer processes to release jobs on.
-        self.own_connector = self.info.kv_connector == CONNECTOR_NAME
+        # The hand-off connector (also under a MultiConnector with a KV tier): only ours has
+        # transfer processes to release jobs on, and seals its hand-offs itself.
+        self.connector = self.settings.kv_connector
+        self.own_connector = self.connector == "pdserve"
+        self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
 
     async def prefill(self, request_id: str, token_ids: list[int]) -> PrefillResult:
         from vllm import SamplingParams, TokensPrompt
@@ -53,12 +104,7 @@ class PrefillService(WorkerService):
                 f"prompt has {len(token_ids)} tokens; the model's context is "
                 f"{self.info.max_model_len} tokens"
             )
-        handoff_request: dict[str, Any] = {"do_remote_decode": True}
-        if self.own_connector:
-            handoff_request[RELEASE_KEY] = request_id
-        params = SamplingParams(
-            max_tokens=1, detokenize=False, extra_args={"kv_transfer_params": handoff_request}
-        )
+        params = SamplingParams(**handoff_request_params(request_id, self.connector))
         final = None
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         with self.counted():
@@ -71,6 +117,8 @@ class PrefillService(WorkerService):
         if final is None or not final.kv_transfer_params:
             raise WorkerError("the prefill engine returned no KV hand-off")
         handoff = dict(final.kv_transfer_params)
+        if not self.own_connector:
+            handoff = tie_to_prompt(handoff, token_ids, self.epoch, self.secret)
         tokens = final.outputs[0].token_ids if final.outputs else []
         phases = EnginePhases.of(final)
         phases.trace()
@@ -82,8 +130,9 @@ class PrefillService(WorkerService):
             phases=phases,
         )
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop the prompt and unpin its blocks; True if blocks were pinned for it."""
+    async def abort(self, request_id: str, handoff: dict[str, Any] | None = None) -> bool:
+        """Stop the prompt and unpin its blocks; True if blocks were pinned for it (our
+        connector). Under NIXL, aborting frees the blocks of a prompt still running only."""
         await self.engine.abort(request_id)
         if not self.own_connector:
             return False

@@ -17,7 +17,22 @@ class WorkerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="gRPC bind address")
     port: int = Field(0, description="gRPC port")
     kv_connector: Literal["pdserve", "nixl"] = Field(
-        "pdserve", description="KV connector: pdserve (TCP, CPU KV caches) or nixl (GPU/RDMA)"
+        "pdserve",
+        description="KV connector: pdserve (TCP, CPU KV caches only) or nixl (vLLM's "
+        "NixlConnector over UCX: GPU KV caches, NVLink/RDMA/TCP)",
+    )
+    nixl_host: str = Field(
+        "",
+        description="nixl: address of this worker's NIXL side channel (vLLM's "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST), where decode workers fetch its KV memory descriptors; "
+        "it is bound, so it must be an address of this host (default: advertise_host, else host)",
+    )
+    nixl_port: int = Field(
+        5600,
+        ge=1,
+        le=65535,
+        description="nixl: port of the side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); "
+        "workers sharing a host need one each",
     )
     advertise_host: str = Field(
         "",
@@ -74,6 +89,11 @@ class WorkerSettings(BaseSettings):
         if self.advertise_host:
             return self.advertise_host
         return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+
+    @property
+    def side_channel_host(self) -> str:
+        """The address of the NIXL side channel: bound by this worker, given to others."""
+        return self.nixl_host or self.reachable_host
 
     @property
     def name(self) -> str:

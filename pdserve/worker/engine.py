@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -65,10 +66,54 @@ def apply_environment(settings: WorkerSettings) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
     os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
     os.environ.update(kv_tier.lmcache_env(settings))
+    os.environ.update(nixl_env(settings))
     if settings.kv_tier != "off" and "VLLM_RPC_BASE_PATH" not in os.environ:
         # LMCache names its engine-internal sockets after the engine id (the worker id), so
         # two clusters on one host ("prefill-0" in both) would meet on one socket path.
         os.environ["VLLM_RPC_BASE_PATH"] = private_dir("pdserve-rpc-")
+
+
+def nixl_env(settings: WorkerSettings) -> dict[str, str]:
+    """Where vLLM's NIXL side channel listens (none without nixl).
+
+    The engine core's scheduler binds a ZMQ ROUTER socket to ``VLLM_NIXL_SIDE_CHANNEL_HOST``:
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (+ the data-parallel index) and serves every TP rank's
+    NIXL metadata there (vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py:
+    76-80, 318-333, 349-351); the same host and port go into each hand-off as ``remote_host``
+    and ``remote_port`` (nixl/pull_scheduler.py:284-285), where decode workers connect. vLLM's
+    defaults, "localhost" and 5600 (vllm/envs.py:1734-1741), would make every worker on one
+    host bind the same port and tell remote workers to connect to themselves.
+    """
+    if settings.kv_connector != "nixl":
+        return {}
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": settings.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(settings.nixl_port),
+    }
+
+
+def connector_problem(settings: WorkerSettings, gpu: bool, nixl_installed: bool) -> str | None:
+    """Why the configured KV connector cannot run on this machine (None: it can)."""
+    if settings.kv_connector == "pdserve" and gpu:
+        return (
+            "--kv-connector pdserve moves CPU KV caches only and this engine runs on a GPU: "
+            "use --kv-connector nixl (vLLM's NixlConnector)"
+        )
+    if settings.kv_connector == "nixl" and not nixl_installed:
+        return (
+            "--kv-connector nixl needs the nixl package (NIXL with UCX), which is not "
+            "installed: `pip install nixl` (the GPU image and `make install` on a GPU host have it)"
+        )
+    return None
+
+
+def check_connector(settings: WorkerSettings) -> None:
+    """Fail before the engine starts if the KV connector cannot run here (ValueError)."""
+    import importlib.util
+
+    problem = connector_problem(settings, has_gpu(), importlib.util.find_spec("nixl") is not None)
+    if problem:
+        raise ValueError(problem)
 
 
 def private_dir(prefix: str) -> str:
@@ -111,7 +156,17 @@ def _handoff_connector(settings: WorkerSettings, role: str) -> dict[str, Any]:
     from pdserve.secret import secret_file
 
     if settings.kv_connector == "nixl":
-        return {"kv_connector": "NixlConnector", "kv_role": role}
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            # How long a prefill engine keeps a finished request's blocks for decode workers
+            # to read (nixl/base_scheduler.py:82-86, pull_scheduler.py:252-266); a decode
+            # engine extends it by heartbeats while the request waits in its queue
+            # (base_worker.py:3042-3062). Whole seconds.
+            "kv_connector_extra_config": {
+                "kv_lease_duration": max(1, math.ceil(settings.kv_lease_s))
+            },
+        }
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,

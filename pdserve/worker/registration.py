@@ -16,6 +16,7 @@ from pdserve.tasks import cancel_and_wait
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
 from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
+from pdserve.worker.nixl_stats import step_totals
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,23 @@ class Load:
     leases: int = 0
     # Engine steps so far: an engine with requests whose count stands still is hung.
     engine_steps: int = 0
+    # vLLM's NIXL transfer statistics since the start (pdserve.worker.nixl_stats).
+    kv_transfers: int = 0
+    kv_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_leases_expired: int = 0
+
+    def add_transfers(self, kv_connector_stats: dict[str, Any] | None) -> None:
+        """Add one engine step's NIXL transfer statistics (none with pdserve's connector)."""
+        step = step_totals(kv_connector_stats)
+        if step is None:
+            return
+        self.kv_transfers += step.transfers
+        self.kv_bytes += step.bytes
+        self.kv_transfer_seconds += step.seconds
+        self.kv_transfer_failures += step.failures
+        self.kv_leases_expired += step.expired
 
 
 def stat_logger_for(load: Load) -> Any:
@@ -59,6 +77,7 @@ def stat_logger_for(load: Load) -> Any:
                 held = gauges(scheduler_stats.kv_connector_stats)
                 if held is not None:
                     load.pinned_blocks, load.leases = held
+                load.add_transfers(scheduler_stats.kv_connector_stats)
 
         def log_engine_initialized(self) -> None:
             pass

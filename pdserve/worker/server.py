@@ -27,6 +27,7 @@ from pdserve.worker.errors import (
     RequestAborted,
     WorkerError,
 )
+from pdserve.worker.handoff import to_params
 from pdserve.worker.service import WorkerService
 from protos.v1 import worker_pb2
 
@@ -83,7 +84,10 @@ class ServicerBase:
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         service = await self.ready(context)
-        return worker_pb2.AbortResponse(found=await service.abort(request.request_id))
+        handoff = None
+        if request.HasField("kv_transfer_params"):
+            handoff = to_params(request.kv_transfer_params)
+        return worker_pb2.AbortResponse(found=await service.abort(request.request_id, handoff))
 
     async def GetCapabilities(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         service: WorkerService = await self.ready(context)
@@ -109,6 +113,11 @@ class ServicerBase:
                 pinned_blocks=service.load.pinned_blocks,
                 leases=service.load.leases,
                 engine_steps=service.load.engine_steps,
+                kv_transfers=service.load.kv_transfers,
+                kv_bytes=service.load.kv_bytes,
+                kv_transfer_seconds=service.load.kv_transfer_seconds,
+                kv_transfer_failures=service.load.kv_transfer_failures,
+                kv_leases_expired=service.load.kv_leases_expired,
             ),
             index_keys=worker_pb2.PrefixIndexKeys(
                 hash_seed=service.settings.hash_seed,
@@ -128,13 +137,14 @@ async def serve(
 ) -> int:
     """Run one worker until SIGINT/SIGTERM or engine death; returns the exit code."""
     from pdserve.model import resolve_model
-    from pdserve.worker.engine import describe, start_engine
+    from pdserve.worker.engine import check_connector, describe, start_engine
     from pdserve.worker.registration import IndexLink, Load, stat_logger_for
 
     try:
         model = resolve_model(settings.model or None)
         secret = deployment_secret()
         kv_tier.check(settings)
+        check_connector(settings)
     except ValueError as exc:
         log.error("%s", exc)
         return 1

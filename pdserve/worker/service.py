@@ -50,8 +50,9 @@ class WorkerService:
         if self.engine.errored:
             raise EngineUnavailable(f"the vLLM engine of {self.settings.name} has stopped")
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort the engine request; True if it was known (running or pinned)."""
+    async def abort(self, request_id: str, handoff: dict[str, Any] | None = None) -> bool:
+        """Abort the engine request; True if it was known (running or pinned). ``handoff``:
+        a hand-off the request would have brought (decode workers release it)."""
         await self.engine.abort(request_id)
         return True
 

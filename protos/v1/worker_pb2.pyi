@@ -98,10 +98,12 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., transfer: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., stop_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., engine: _Optional[_Union[_common_pb2.EngineTimes, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "kv_transfer_params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    kv_transfer_params: KvTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[KvTransferParams, _Mapping]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -165,7 +167,7 @@ class PrefixIndexKeys(_message.Message):
     def __init__(self, hash_seed: _Optional[int] = ..., redis_prefix: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps")
+    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps", "kv_transfers", "kv_bytes", "kv_transfer_seconds", "kv_transfer_failures", "kv_leases_expired")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,11 @@ class WorkerLoad(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -180,4 +187,9 @@ class WorkerLoad(_message.Message):
     pinned_blocks: int
     leases: int
     engine_steps: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ...) -> None: ...
+    kv_transfers: int
+    kv_bytes: int
+    kv_transfer_seconds: float
+    kv_transfer_failures: int
+    kv_leases_expired: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ...) -> None: ...

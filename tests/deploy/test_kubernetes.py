@@ -8,6 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from pdserve.worker.engine import nixl_env
 from tests.deploy.support import (
     IMAGES,
     KUSTOMIZATIONS,
@@ -23,6 +24,7 @@ from tests.deploy.support import (
     labels_match,
     objects,
     pod_spec,
+    worker_settings,
     workloads,
 )
 
@@ -288,8 +290,21 @@ def test_gpu_overlay() -> None:
             "tolerations"
         ]
         env = container_env(docs, c)
-        assert env[f"PDSERVE_{role.upper()}_KV_CONNECTOR"] == "nixl"
-        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        p = f"PDSERVE_{role.upper()}_"
+        assert env[p + "KV_CONNECTOR"] == "nixl"
+        # The side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, set by the worker from
+        # its settings: nixl_env) is bound at the advertised host, the pod IP, on the port the
+        # container declares; nothing sets vLLM's variables behind the worker's back.
+        assert not [k for k in env if k.startswith("VLLM_NIXL_")]
+        assert env[p + "ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert p + "NIXL_HOST" not in env, "default: the advertised host"
+        pod_ip = "10.1.2.3"  # what the fieldRef gives the pod
+        values = {k: v for k, v in env.items() if isinstance(v, str)}
+        settings = worker_settings(role, {**values, p + "ADVERTISE_HOST": pod_ip})
+        side = nixl_env(settings)
+        assert side["VLLM_NIXL_SIDE_CHANNEL_HOST"] == pod_ip
+        ports = {port["name"]: port["containerPort"] for port in c["ports"]}
+        assert int(side["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["nixl"]
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
     gateway = pod_spec(deployments["pdserve-gateway"])

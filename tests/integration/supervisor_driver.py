@@ -3,7 +3,8 @@ separate process so that it can be signalled like ``pdserve up``.
 
 JSON: {"log_dir": str, "grace_s": float, "startup_timeout_s": float,
        "on_child_exit": "restart" | "stop-all", "backoff": [initial_s, max_s, reset_after_s],
-       "children": [{"name": str, "argv": [str], "url": str | null, "stage": int}]}
+       "children": [{"name": str, "argv": [str], "url": str | null, "stage": int,
+                     "after": [str]}]}
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> int:
             argv=tuple(c["argv"]),
             ready_check=http_ok(c["url"]) if c.get("url") else None,
             stop_stage=c.get("stage", 0),
+            after=tuple(c.get("after", ())),
         )
         for c in config["children"]
     ]

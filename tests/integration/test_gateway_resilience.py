@@ -189,3 +189,33 @@ async def test_kv_transfer_failure_with_policy_fail_is_503() -> None:
         await asyncio.wait_for(c.prefill.seen.aborted.wait(), 5)
     assert response.status_code == 503
     assert len(decode.seen.requests) == 1
+
+
+async def test_workers_with_different_connectors_are_never_paired(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A NIXL prefill worker and a decode worker of our connector: refused with the reason,
+    in the log and in /health; requests take the local path."""
+    prefill = FakePrefill()
+    prefill.caps.kv_compat["connector"] = "NixlConnector/14/pull/vllm-0.32.0"
+    prefill.caps.kv_compat["kv_cache_layout"] = "LBHNC"
+    decode = FakeDecode()
+    decode.caps.kv_compat["connector"] = "PdserveConnector/2"
+    decode.caps.kv_compat["kv_cache_layout"] = "auto"
+    with caplog.at_level(logging.ERROR, logger="gateway.pool"):
+        async with gateway_cluster(prefill=prefill, decode=decode) as c:
+            response = await _chat(c.base_url)
+            async with httpx.AsyncClient(base_url=c.base_url) as http:
+                health = (await http.get("/health")).json()
+    assert response.status_code == 200
+    assert not prefill.seen.requests  # the decode worker computed the prompt
+    (pair,) = health["unpaired_workers"]
+    assert pair["prefill"] == f"127.0.0.1:{c.servers['prefill'].port}"
+    assert pair["decode"] == f"127.0.0.1:{c.servers['decode'].port}"
+    assert (
+        "connector (prefill NixlConnector/14/pull/vllm-0.32.0, decode PdserveConnector/2)"
+        in (pair["reason"])
+    )
+    assert "same --kv-connector" in pair["reason"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("refusing to pair" in e and "kv_cache_layout (prefill LBHNC" in e for e in errors)

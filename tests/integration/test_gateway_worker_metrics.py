@@ -46,6 +46,27 @@ async def test_workers_reported_load_is_exported_per_worker() -> None:
     assert values[("pdserve_gateway_worker_in_flight", *d)] == 0.0
 
 
+async def test_nixl_transfer_counters_are_exported_per_worker() -> None:
+    """vLLM's NIXL statistics as a decode worker reports them (pdserve.worker.nixl_stats)."""
+    decode = FakeDecode()
+    decode.caps.load.CopyFrom(
+        worker_pb2.WorkerLoad(
+            kv_transfers=3, kv_bytes=3 * 2**20, kv_transfer_seconds=0.25, kv_transfer_failures=1
+        )
+    )
+    async with gateway_cluster(decode=decode) as c, httpx.AsyncClient() as http:
+        text = (await http.get(c.base_url + "/metrics")).text
+    values = gauges(text)
+    d = ("decode", "fake-role_decode")
+    assert values[("pdserve_gateway_worker_kv_transfers_total", *d)] == 3.0
+    assert values[("pdserve_gateway_worker_kv_transfer_bytes_total", *d)] == 3 * 2**20
+    assert values[("pdserve_gateway_worker_kv_transfer_seconds_total", *d)] == 0.25
+    assert values[("pdserve_gateway_worker_kv_transfer_failures_total", *d)] == 1.0
+    assert "# TYPE pdserve_gateway_worker_kv_transfer_bytes_total counter" in text
+    p = ("prefill", "fake-role_prefill")
+    assert values[("pdserve_gateway_worker_kv_leases_expired_total", *p)] == 0.0
+
+
 async def test_a_worker_that_leaves_the_pool_is_no_longer_exported() -> None:
     pool = WorkerPool(GatewaySettings(control_timeout_s=0.5))
     registry = CollectorRegistry()

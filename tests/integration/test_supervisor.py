@@ -148,12 +148,21 @@ class Cluster:
         self.drivers: list[Driver] = []
         self.ports: dict[str, int] = {}
 
-    def child(self, name: str, mode: str = "serve", delay_s: float = 0.0, stage: int = 0) -> None:
+    def child(
+        self,
+        name: str,
+        mode: str = "serve",
+        delay_s: float = 0.0,
+        stage: int = 0,
+        after: tuple[str, ...] = (),
+    ) -> None:
         port = self.ports[name] = reserved_port()
         pid_file = self.tmp_path / f"{name}.pids"
         argv = [sys.executable, "-c", CHILD, str(port), str(pid_file), mode, str(delay_s)]
         url = None if mode == "sleep" else f"http://127.0.0.1:{port}/health"
-        self.children.append({"name": name, "argv": argv, "url": url, "stage": stage})
+        self.children.append(
+            {"name": name, "argv": argv, "url": url, "stage": stage, "after": list(after)}
+        )
 
     def start(
         self,
@@ -236,6 +245,24 @@ def test_waits_for_readiness_then_sigterm_stops_children_and_grandchildren(
     # stage 0 is stopped before stage 1 (the gateway before the workers)
     assert driver.output.index("stopping front") < driver.output.index("stopping slow")
     assert "all processes stopped" in driver.output
+
+
+def test_a_child_waiting_for_another_starts_once_that_one_is_ready(cluster: Cluster) -> None:
+    """Engines sharing a GPU: the second starts only after the first has loaded."""
+    cluster.child("first", delay_s=1.0)
+    cluster.child("second", after=("first",))
+    driver = cluster.start()
+
+    driver.wait_for(READY_LINE)
+    assert "second (starts after first)" in driver.output
+    lines = driver.output
+    assert lines.index("first ready after") < lines.index("started second"), lines
+    assert (
+        lines.index("started second") < lines.index("second ready after") < lines.index(READY_LINE)
+    )
+    driver.proc.send_signal(signal.SIGTERM)
+    assert driver.wait_exit() == 0, driver.output
+    cluster.assert_all_gone()
 
 
 def test_child_exiting_during_startup_fails_with_its_log_tail(cluster: Cluster) -> None:

@@ -10,7 +10,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import FIELDS
-from gateway.worker_metrics import GAUGES, LABELS
+from gateway.worker_metrics import COUNTERS, GAUGES, LABELS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 ROW = re.compile(r"^\| `(pdserve_[a-z_]+)` \| (\w+) \|([a-z_, ]*)\|", re.MULTILINE)
@@ -27,6 +27,8 @@ def test_the_metric_table_matches_the_registry() -> None:
     }
     for suffix, _, _ in GAUGES:  # per-worker gauges, collected from the pool at scrape time
         exported[f"pdserve_gateway_worker_{suffix}"] = ("gauge", ", ".join(LABELS))
+    for suffix, _, _ in COUNTERS:  # the workers' own counters (NIXL transfer statistics)
+        exported[f"pdserve_gateway_worker_{suffix}"] = ("counter", ", ".join(LABELS))
     assert documented == exported
 
 

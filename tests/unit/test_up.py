@@ -14,15 +14,12 @@ from pydantic import ValidationError
 from pdserve import settings as shared
 from pdserve.backoff import Backoff
 from pdserve.cli import build_parser
+from pdserve.placement import assign_cpu_cores, format_cores, parse_gpu_list, place_engines
 from pdserve.supervisor import ChildExitPolicy
 from pdserve.up import (
     UpSettings,
     add_arguments,
-    assign_cpu_cores,
     build_specs,
-    format_cores,
-    parse_gpu_list,
-    place_engines,
     ready_banner,
     redis_spec,
     run,
