@@ -242,9 +242,11 @@ def _rotate(items: tuple[str, ...], r: int) -> tuple[str, ...]:
 async def measure(
     args: argparse.Namespace, stacks: dict[str, Stack], paths: tuple[str, ...]
 ) -> tuple[dict[str, dict[str, PathResult]], list[dict[str, Any]], float]:
-    """Every round runs every (arm, path) phase once: paths in rotating order, and each path's
-    arms back to back, also in rotating order. Returns the samples per arm and path, one
-    record per phase, and the mean prompt length in tokens."""
+    """Every round runs every (arm, path) phase once. One arm: the paths in rotating order.
+    Several: each path's arms back to back, their order alternating round by round, and the
+    paths in a fixed order, so that no phase directly follows its own twin of the previous
+    round (rotating both did, and a phase right after its twin ran a few % faster). Returns
+    the samples per arm and path, one record per phase, and the mean prompt length."""
     from pdserve.bench_gateway_client import PathResult, Paths
     from pdserve.client import GatewayClient
 
@@ -268,7 +270,7 @@ async def measure(
             await client.open(args.streams)
         streams = {arm: client.streams(args.tokens) for arm, client in clients.items()}
         for r in range(args.rounds):
-            for name in _rotate(paths, r):
+            for name in _rotate(paths, r) if len(stacks) == 1 else paths:
                 for arm in _rotate(tuple(stacks), r):
                     label = f"round {r + 1}/{args.rounds} {name}"
                     if len(stacks) > 1:

@@ -3,6 +3,7 @@ all three paths. Checks the result's shape and sanity, never its speed."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -71,6 +72,9 @@ def test_bench_gateway_tracing_compare(tmp_path: Path) -> None:
     for first, second in zip(phases[::2], phases[1::2], strict=True):
         assert (first["round"], first["path"]) == (second["round"], second["path"])
         assert {first["arm"], second["arm"]} == {"off", "on"}
+    assert [p["arm"] for p in phases if p["path"] == "gateway_grpc"] == ["off", "on", "on", "off"]
+    kinds = [(p["arm"], p["path"]) for p in phases]
+    assert all(a != b for a, b in itertools.pairwise(kinds)), kinds  # no phase after its twin
     for arm in ("off", "on"):
         assert set(report["arms"][arm]) == set(PATHS[1:])
         for name, path in report["arms"][arm].items():
