@@ -210,10 +210,10 @@ def run(args: argparse.Namespace) -> int:
     receiver_cpu = None
     try:
         receiver = tracing_bench.ReceiverProcess() if args.tracing != "off" else None
+        endpoint = receiver.endpoint if receiver else ""
+        envs = tracing_bench.arm_envs(args.tracing, arms, endpoint, args.trace_ratio)
         for arm in arms:
-            endpoint = receiver.endpoint if receiver else ""
-            env = tracing_bench.arm_env(args.tracing, arm, endpoint, args.trace_ratio)
-            stacks[arm] = start_stack(args, arm, env, redis.url if redis else "", logs)
+            stacks[arm] = start_stack(args, arm, envs[arm], redis.url if redis else "", logs)
         results, phases, prompt_tokens = asyncio.run(measure(args, stacks, paths))
     finally:
         # Gateways first, then the fakes; each exports its last spans as it exits.

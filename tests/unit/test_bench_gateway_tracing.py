@@ -78,3 +78,11 @@ def test_span_problems() -> None:
     assert tb.span_problems({"on": {"spans": 0, "services": {}}}) == [
         "the traced arm exported no spans (see its gateway log)"
     ]
+
+
+def test_the_arms_environments_are_of_one_size() -> None:
+    envs = tb.arm_envs("compare", ("off", "on"), "http://127.0.0.1:4318")
+    sizes = {arm: sum(len(f"{k}={v}") + 1 + 8 for k, v in env.items()) for arm, env in envs.items()}
+    assert sizes["off"] == sizes["on"], sizes
+    assert envs["off"]["OTEL_SDK_DISABLED"] == "true" and "OTEL_SDK_DISABLED" not in envs["on"]
+    assert {k for k in envs["on"] if k != tb.PAD} == set(tb.arm_env("compare", "on", "x"))
