@@ -244,9 +244,10 @@ async def measure(
 ) -> tuple[dict[str, dict[str, PathResult]], list[dict[str, Any]], float]:
     """Every round runs every (arm, path) phase once. One arm: the paths in rotating order.
     Several: each path's arms back to back, their order alternating round by round, and the
-    paths in a fixed order, so that no phase directly follows its own twin of the previous
-    round (rotating both did, and a phase right after its twin ran a few % faster). Returns
-    the samples per arm and path, one record per phase, and the mean prompt length."""
+    paths in a fixed order, so that every phase has the same predecessors as its other arm's
+    twin and none follows itself (rotating both made one arm's HTTP phases and the other's
+    gRPC phases run twice in a row). Returns the samples per arm and path, one record per
+    phase, and the mean prompt length."""
     from pdserve.bench_gateway_client import PathResult, Paths
     from pdserve.client import GatewayClient
 

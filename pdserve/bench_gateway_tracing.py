@@ -73,7 +73,8 @@ def arm_envs(
     """Every arm's environment (``arm_env``), padded to one size in bytes. The environment's
     size shifts where a process's stack starts, and with it the process's speed: two untraced
     arms whose environments differed by one byte ("bench-on" / "bench-off") differed in
-    throughput by 6-7 % in three runs out of three, and by 1-2 % once the sizes were equal."""
+    throughput by 6-7 % in three runs out of three, the smaller one ahead; with equal sizes,
+    by 1-5 % either way in four."""
     envs = {arm: arm_env(mode, arm, endpoint, ratio) for arm in arms}
     largest = max(_size(env) for env in envs.values())
     return {arm: env | {PAD: "x" * (largest - _size(env))} for arm, env in envs.items()}
