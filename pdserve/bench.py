@@ -7,7 +7,8 @@
   workloads (vLLM's own benchmark client), with tables and plots.
 - ``pdserve bench engine``: each worker's engine speed vs a bare vLLM engine, same settings.
 - ``pdserve bench gateway``: the gateway's added TTFT/ITL (fake workers, many concurrent
-  streams) against a direct connection to the decode worker, in the same run.
+  streams) against a direct connection to the decode worker, in the same run; with
+  ``--tracing compare``, what turning tracing on costs its throughput.
 - ``pdserve bench soak``: minutes of mixed load with periodic worker faults; failed requests,
   memory growth and p99 drift.
 - ``pdserve bench gpu``: the GPU path end to end on one GPU (NIXL), greedy parity with

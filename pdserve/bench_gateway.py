@@ -9,6 +9,11 @@ stream, through the gateway's OpenAI HTTP API (streaming chat) and through its g
 gateway's added latency is a percentile through it minus the same percentile direct. The
 direct path skips what the gateway adds on purpose: chat template, tokenization, block
 hashing, the Redis lookup, the (instant) fake prefill call and the relay.
+
+``--tracing on`` runs the gateway and fake workers with tracing on (spans exported over OTLP
+to a receiver this benchmark starts); ``--tracing compare`` runs two of them, one traced and
+one not, and interleaves their phases through the gateway paths round by round
+(``pdserve.bench_gateway_tracing``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -25,16 +29,17 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve import bench_gateway_tracing as tracing_bench
+from pdserve.bench_gateway_report import GATEWAY_PATHS, PATHS, build_report, minus, print_report
 from pdserve.bench_routing import wait_healthy
 from pdserve.machine import cpu_info, describe
 from pdserve.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from pdserve.bench_gateway_client import PathResult, Stream
-
-PATHS = ("direct_grpc", "gateway_http", "gateway_grpc")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +57,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-redis", action="store_true",
                         help="no Redis: round-robin routing, no block hashing")  # fmt: skip
     parser.add_argument("--model", default="", help="model dir for the gateway's tokenizer")
+    parser.add_argument("--tracing", choices=tuple(tracing_bench.ARMS), default="off",
+                        help="off (default); on: gateway and fake workers export every span "
+                        "over OTLP to a receiver started here; compare: one gateway of each, "
+                        "their phases interleaved, and the throughput ratio on/off")  # fmt: skip
+    parser.add_argument("--trace-ratio", type=_ratio, default=1.0,
+                        help="with --tracing on/compare: the share of requests traced "
+                        "(default 1: every one, sampler always_on)")  # fmt: skip
     parser.add_argument("--json", default="", help="also write the results to this file")
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share in (0, 1]")
+    return value
 
 
 def _free_port() -> int:
@@ -72,11 +94,13 @@ def prompt(i: int, words: int) -> list[dict[str, str]]:
             {"role": "user", "content": "What does entry 3 cost?"}]  # fmt: skip
 
 
-def start_fakes(args: argparse.Namespace) -> tuple[subprocess.Popen[str], dict[str, int]]:
+def start_fakes(
+    args: argparse.Namespace, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], dict[str, int]]:
     fakes = subprocess.Popen(
         [sys.executable, "-m", "pdserve.fake_worker", "--tokens", str(args.tokens),
          "--interval-ms", str(args.interval_ms)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, text=True, start_new_session=True, env=env,
     )  # fmt: skip
     assert fakes.stdout is not None
     line = fakes.stdout.readline()  # its one JSON line, once both servers listen
@@ -86,7 +110,11 @@ def start_fakes(args: argparse.Namespace) -> tuple[subprocess.Popen[str], dict[s
 
 
 def start_gateway(
-    args: argparse.Namespace, ports: dict[str, int], redis_url: str, logs: str
+    args: argparse.Namespace,
+    ports: dict[str, int],
+    redis_url: str,
+    log_path: str,
+    env: dict[str, str],
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     http, grpc = _free_port(), _free_port()
     command = [
@@ -100,12 +128,43 @@ def start_gateway(
         command += ["--redis-url", redis_url]
     if args.prompt_threads is not None:
         command += ["--prompt-threads", str(args.prompt_threads)]
-    log = open(os.path.join(logs, "gateway.log"), "ab")  # noqa: SIM115 (the child owns it)
+    log = open(log_path, "ab")  # noqa: SIM115 (the child owns it)
     gateway = subprocess.Popen(
-        command, env={**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}, stdout=log,
+        command, env={**env, "PDSERVE_LOG_LEVEL": "WARNING"}, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     return gateway, http, grpc
+
+
+@dataclass
+class Stack:
+    """One arm: fake workers and a gateway, in their own processes."""
+
+    processes: list[subprocess.Popen[Any]]
+    targets: dict[str, str]  # decode (direct), http and grpc (the gateway's)
+    gateway_pid: int
+    fakes_pid: int
+
+
+def start_stack(
+    args: argparse.Namespace, arm: str, env: dict[str, str], redis_url: str, logs: str
+) -> Stack:
+    """Start one arm; its processes are stopped here if it does not become healthy."""
+    stack = Stack([], {}, 0, 0)
+    try:
+        fakes, ports = start_fakes(args, env)
+        stack.processes.append(fakes)
+        log = os.path.join(logs, "gateway.log" if args.tracing == "off" else f"gateway-{arm}.log")
+        gateway, http, grpc = start_gateway(args, ports, redis_url, log, env)
+        stack.processes.append(gateway)
+        wait_healthy(f"http://127.0.0.1:{http}", prefill=1, timeout_s=120)
+    except BaseException:
+        _stop(list(reversed(stack.processes)))
+        raise
+    stack.gateway_pid, stack.fakes_pid = gateway.pid, fakes.pid
+    stack.targets = {"decode": f"127.0.0.1:{ports['decode']}",
+                     "http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}  # fmt: skip
+    return stack
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -138,165 +197,120 @@ def run(args: argparse.Namespace) -> int:
         return 2
     machine = cpu_info()
     logs = tempfile.mkdtemp(prefix="pdserve-bench-gateway-")
+    arms = tracing_bench.ARMS[args.tracing]
+    paths = GATEWAY_PATHS if args.tracing == "compare" else PATHS
     print(f"gateway overhead: {args.streams} concurrent streams x {args.tokens} tokens every "
           f"{args.interval_ms:g} ms, {args.requests} requests per stream x {args.rounds} "
-          f"rounds; {describe(machine)}; logs in {logs}", flush=True)  # fmt: skip
+          f"rounds, tracing {args.tracing}; {describe(machine)}; logs in {logs}",
+          flush=True)  # fmt: skip
     redis = None if args.no_redis else RedisServer().start()
-    processes: list[subprocess.Popen[Any]] = []
+    receiver = None
+    stacks: dict[str, Stack] = {}
+    spans: dict[str, Any] = {}
+    receiver_cpu = None
     try:
-        fakes, ports = start_fakes(args)
-        processes.append(fakes)
-        gateway, http, grpc = start_gateway(args, ports, redis.url if redis else "", logs)
-        processes.append(gateway)
-        wait_healthy(f"http://127.0.0.1:{http}", prefill=1, timeout_s=120)
-        targets = {"decode": f"127.0.0.1:{ports['decode']}", "http": f"http://127.0.0.1:{http}",
-                   "grpc": f"127.0.0.1:{grpc}"}  # fmt: skip
-        results, extra = asyncio.run(measure(args, targets, gateway.pid))
+        receiver = tracing_bench.ReceiverProcess() if args.tracing != "off" else None
+        endpoint = receiver.endpoint if receiver else ""
+        envs = tracing_bench.arm_envs(args.tracing, arms, endpoint, args.trace_ratio)
+        for arm in arms:
+            stacks[arm] = start_stack(args, arm, envs[arm], redis.url if redis else "", logs)
+        results, phases, prompt_tokens = asyncio.run(measure(args, stacks, paths))
     finally:
-        _stop(list(reversed(processes)))
+        # Gateways first, then the fakes; each exports its last spans as it exits.
+        _stop([p for stack in stacks.values() for p in reversed(stack.processes)])
+        if receiver is not None:
+            receiver_cpu = _cpu_s(receiver.process.pid)
+            spans = tracing_bench.spans_by_arm(receiver.close(), arms)
         if redis is not None:
             redis.stop()
-    report = build_report(args, machine, results, extra)
+    traced = tracing_bench.describe_tracing(args.tracing, args.trace_ratio, spans, receiver_cpu)
+    report = build_report(args, machine, results, phases, prompt_tokens, traced)
     print_report(report)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)
-    return 0 if all(report["paths"][p]["failed"] == 0 for p in PATHS) else 1
+    failed = sum(p["failed"] for p in phases)
+    return 0 if failed == 0 and not tracing_bench.span_problems(spans) else 1
+
+
+def _rotate(items: tuple[str, ...], r: int) -> tuple[str, ...]:
+    """``items`` rotated left by ``r``: round by round, each item takes each place in turn."""
+    r %= len(items)
+    return items[r:] + items[:r]
 
 
 async def measure(
-    args: argparse.Namespace, targets: dict[str, str], gateway_pid: int
-) -> tuple[dict[str, PathResult], dict[str, Any]]:
+    args: argparse.Namespace, stacks: dict[str, Stack], paths: tuple[str, ...]
+) -> tuple[dict[str, dict[str, PathResult]], list[dict[str, Any]], float]:
+    """Every round runs every (arm, path) phase once. One arm: the paths in rotating order.
+    Several: each path's arms back to back, their order alternating round by round, and the
+    paths in a fixed order, so that every phase has the same predecessors as its other arm's
+    twin and none follows itself (rotating both made one arm's HTTP phases and the other's
+    gRPC phases run twice in a row). Returns the samples per arm and path, one record per
+    phase, and the mean prompt length."""
     from pdserve.bench_gateway_client import PathResult, Paths
     from pdserve.client import GatewayClient
 
     prompts = [prompt(i, args.prompt_words) for i in range(args.streams)]
-    async with GatewayClient(targets["grpc"]) as client:  # the ids the gateway would send
-        prompt_ids = [await client.tokenize(messages=p) for p in prompts]
-    with urllib.request.urlopen(targets["http"] + "/v1/models", timeout=10) as response:
+    prompt_ids: list[list[int]] = []
+    for stack in stacks.values():  # the ids the gateway would send; warms up each gateway
+        async with GatewayClient(stack.targets["grpc"]) as gateway:
+            ids = [await gateway.tokenize(messages=p) for p in prompts]
+        if prompt_ids and ids != prompt_ids:
+            raise RuntimeError("the gateways of the two arms tokenize differently")
+        prompt_ids = ids
+    first = next(iter(stacks.values())).targets
+    with urllib.request.urlopen(first["http"] + "/v1/models", timeout=10) as response:
         model = json.loads(response.read())["data"][0]["id"]
-    paths = Paths(targets["decode"], targets["grpc"], targets["http"], model, prompts, prompt_ids)
-    await paths.open(args.streams)
-    results = {name: PathResult() for name in PATHS}
-    cpu = {name: {"gateway_s": 0.0, "client_s": 0.0, "wall_s": 0.0} for name in PATHS}
+    clients = {arm: Paths(s.targets["decode"], s.targets["grpc"], s.targets["http"], model,
+                          prompts, prompt_ids) for arm, s in stacks.items()}  # fmt: skip
+    results = {arm: {name: PathResult() for name in paths} for arm in stacks}
+    phases: list[dict[str, Any]] = []
     try:
-        streams = paths.streams(args.tokens)
+        for client in clients.values():
+            await client.open(args.streams)
+        streams = {arm: client.streams(args.tokens) for arm, client in clients.items()}
         for r in range(args.rounds):
-            for k in range(len(PATHS)):
-                name = PATHS[(r + k) % len(PATHS)]  # rotate the order round by round
-                label = f"round {r + 1}/{args.rounds} {name}"
-                if name == "gateway_http":
-                    await paths.reopen_http(args.streams)
-                await _phase(args, label, streams[name], results[name], cpu[name], gateway_pid)
+            for name in _rotate(paths, r) if len(stacks) == 1 else paths:
+                for arm in _rotate(tuple(stacks), r):
+                    label = f"round {r + 1}/{args.rounds} {name}"
+                    if len(stacks) > 1:
+                        label += f" tracing {arm}"
+                    if name == "gateway_http":
+                        await clients[arm].reopen_http(args.streams)
+                    phase = await _phase(args, label, streams[arm][name], results[arm][name],
+                                         stacks[arm])  # fmt: skip
+                    phases.append({"round": r + 1, "arm": arm, "path": name, **phase})
     finally:
-        await paths.close()
-    prompt_tokens = sum(len(ids) for ids in prompt_ids) / len(prompt_ids)
-    return results, {"cpu": cpu, "prompt_tokens_mean": prompt_tokens}
+        for client in clients.values():
+            await client.close()
+    return results, phases, sum(len(ids) for ids in prompt_ids) / len(prompt_ids)
 
 
 async def _phase(
-    args: argparse.Namespace,
-    label: str,
-    stream: Stream,
-    result: PathResult,
-    cpu: dict[str, float],
-    gateway_pid: int,
-) -> None:
-    """One timed phase of one path; adds its wall time and CPU seconds to ``cpu``."""
+    args: argparse.Namespace, label: str, stream: Stream, result: PathResult, stack: Stack
+) -> dict[str, Any]:
+    """One timed phase of one path: its wall time, the CPU seconds of the client, the gateway
+    and the fake workers (None off Linux), requests, tokens and failures."""
     from pdserve.bench_gateway_client import run_phase
 
     def progress(done: int) -> None:  # a live line on a terminal only
         print(f"\r{label}: {done}/{args.streams} streams", end="", flush=True)
 
-    failed_before = result.failed
-    gateway_cpu, client_cpu = _cpu_s(gateway_pid), time.process_time()
+    before = (result.requests, result.tokens, result.failed)
+    pids = {"gateway_cpu_s": stack.gateway_pid, "fakes_cpu_s": stack.fakes_pid}
+    cpu_before, client_cpu = {k: _cpu_s(pid) for k, pid in pids.items()}, time.process_time()
     wall = await run_phase(
         stream, args.streams, args.tokens, args.requests, args.tokens * args.interval_ms / 1000,
         result, progress if sys.stdout.isatty() else None,
     )  # fmt: skip
-    gateway_after = _cpu_s(gateway_pid)
-    cpu["wall_s"] += wall
-    cpu["client_s"] += time.process_time() - client_cpu
-    if gateway_cpu is not None and gateway_after is not None:
-        cpu["gateway_s"] += gateway_after - gateway_cpu
-    failed = result.failed - failed_before
-    print(f"\r{label}: {args.streams} streams in {wall:.1f} s, {failed} failed", flush=True)
-
-
-def _pct(samples: list[float]) -> dict[str, float | None]:
-    """p50/p99 in milliseconds (inclusive method: never beyond the extremes)."""
-    import statistics
-
-    if len(samples) < 2:
-        value = samples[0] * 1000 if samples else None
-        return {"p50": value, "p99": value}
-    q = statistics.quantiles(samples, n=100, method="inclusive")
-    return {"p50": q[49] * 1000, "p99": q[98] * 1000}
-
-
-def build_report(
-    args: argparse.Namespace,
-    machine: dict[str, Any],
-    results: dict[str, PathResult],
-    extra: dict[str, Any],
-) -> dict[str, Any]:
-    paths: dict[str, Any] = {}
-    for name, r in results.items():
-        cpu = extra["cpu"][name]
-        paths[name] = {
-            "requests": r.requests, "failed": r.failed, "tokens": r.tokens,
-            "ttft_ms": _pct(r.ttft), "itl_ms": _pct(r.itl), "errors": r.errors,
-            "client_cpu_share": cpu["client_s"] / cpu["wall_s"] if cpu["wall_s"] else None,
-            "gateway_cpu_us_per_token": cpu["gateway_s"] / r.tokens * 1e6 if r.tokens else None,
-            "requests_per_s": r.requests / cpu["wall_s"] if cpu["wall_s"] else None,
-        }  # fmt: skip
-    added: dict[str, Any] = {}
-    base = paths["direct_grpc"]
-    for name in ("gateway_http", "gateway_grpc"):
-        added[name] = {
-            metric: {q: _minus(paths[name][metric][q], base[metric][q]) for q in ("p50", "p99")}
-            for metric in ("ttft_ms", "itl_ms")
-        }
-    argv = ["pdserve", "bench", "gateway", "--streams", str(args.streams), "--tokens",
-            str(args.tokens), "--requests", str(args.requests), "--interval-ms",
-            f"{args.interval_ms:g}", "--rounds", str(args.rounds), "--prompt-words",
-            str(args.prompt_words)]  # fmt: skip
-    if args.prompt_threads is not None:
-        argv += ["--prompt-threads", str(args.prompt_threads)]
-    if args.no_redis:
-        argv.append("--no-redis")
-    return {
-        "bench": "gateway", "command": shlex.join(argv), "machine": machine,
-        "config": {"streams": args.streams, "tokens": args.tokens, "requests": args.requests,
-                   "interval_ms": args.interval_ms, "rounds": args.rounds,
-                   "prompt_words": args.prompt_words,
-                   "prompt_tokens_mean": extra["prompt_tokens_mean"],
-                   "prompt_threads": args.prompt_threads, "redis": not args.no_redis},
-        "paths": paths, "added_by_gateway_ms": added,
+    cpu_after = {k: _cpu_s(pid) for k, pid in pids.items()}
+    phase: dict[str, Any] = {
+        "wall_s": wall, "client_cpu_s": time.process_time() - client_cpu,
+        **{k: minus(cpu_after[k], cpu_before[k]) for k in pids},
+        "requests": result.requests - before[0], "tokens": result.tokens - before[1],
+        "failed": result.failed - before[2],
     }  # fmt: skip
-
-
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-def print_report(report: dict[str, Any]) -> None:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
-
-    print(f"\n{describe(report['machine'])}")
-    print(f"{'path':<13} {'requests':>8} {'failed':>6}  {'TTFT p50':>8} {'p99':>7}  "
-          f"{'ITL p50':>7} {'p99':>7}  (ms)  {'gw CPU/token':>12}")  # fmt: skip
-    for name, p in report["paths"].items():
-        per_token = p["gateway_cpu_us_per_token"] if name != "direct_grpc" else None
-        cost = "-" if per_token is None else f"{per_token:.0f} us"
-        print(f"{name:<13} {p['requests']:>8} {p['failed']:>6}  {ms(p['ttft_ms']['p50']):>8} "
-              f"{ms(p['ttft_ms']['p99']):>7}  {ms(p['itl_ms']['p50']):>7} "
-              f"{ms(p['itl_ms']['p99']):>7}        {cost:>12}")  # fmt: skip
-    print("added by the gateway (same percentile, gateway minus direct):")
-    for name, a in report["added_by_gateway_ms"].items():
-        print(f"  {name}: TTFT p50 {ms(a['ttft_ms']['p50'])} ms, p99 {ms(a['ttft_ms']['p99'])} ms;"
-              f" ITL p50 {ms(a['itl_ms']['p50'])} ms, p99 {ms(a['itl_ms']['p99'])} ms")  # fmt: skip
-    for name, p in report["paths"].items():
-        for error in p["errors"]:
-            print(f"  {name} error: {error}")
+    print(f"\r{label}: {args.streams} streams in {wall:.1f} s, {phase['failed']} failed, "
+          f"{phase['requests'] / wall:.1f} requests/s", flush=True)  # fmt: skip
+    return phase

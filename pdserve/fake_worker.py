@@ -6,13 +6,16 @@ check token parity, the KV hand-off, request ids, aborts and cancellation.
 
 ``python -m pdserve.fake_worker --tokens 64 --interval-ms 50`` serves one of each on free
 loopback ports, prints ``{"prefill": PORT, "decode": PORT}`` as one JSON line and runs until
-SIGINT/SIGTERM (``pdserve bench gateway`` runs them so).
+SIGINT/SIGTERM (``pdserve bench gateway`` runs them so). That process traces as a real worker
+does when the OTEL_* environment turns tracing on (``pdserve.tracing``): one server span per
+Prefill and Decode call (``rpc_span``), service.name ``<prefix>-fake-workers``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import sys
@@ -21,8 +24,10 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from pdserve import tracing
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.settings import default_model_dir
+from pdserve.worker.server import rpc_span
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # (token id, text) of the scripted answer: "Hello, world!"
@@ -38,6 +43,16 @@ DECODE_ENGINE = common_pb2.EngineTimes(
 def pieces(n: int) -> list[tuple[int, str]]:
     """``n`` scripted tokens: ``DEFAULT_PIECES`` over and over."""
     return list(itertools.islice(itertools.cycle(DEFAULT_PIECES), n))
+
+
+PREFILL_SERVICE = "pdserve.v1.PrefillWorker"
+DECODE_SERVICE = "pdserve.v1.DecodeWorker"
+
+
+def _span(traced: bool, context: Any, method: str, request_id: str) -> Any:
+    """A real worker's server span when ``traced`` (and tracing is on); else a no-op, so
+    in-process fakes add no spans to the traces tests check."""
+    return rpc_span(context, method, request_id) if traced else tracing.NO_SPAN
 
 
 KV_COMPAT = {"model": "fake", "dtype": "bfloat16", "block_size": "16", "kv_layout": "NHD"}
@@ -93,7 +108,8 @@ class Recorder(Generic[R]):
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
-    """``serve_s`` > 0: prefills take that long each, one at a time (an engine's queue)."""
+    """``serve_s`` > 0: prefills take that long each, one at a time (an engine's queue).
+    ``traced``: a server span per call, as a real worker's (see ``_span``)."""
 
     def __init__(
         self,
@@ -102,7 +118,9 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         max_model_len: int = 2048,
         record: bool = True,
         serve_s: float = 0.0,
+        traced: bool = False,
     ) -> None:
+        self.traced = traced
         self.seen: Recorder[worker_pb2.PrefillRequest] = Recorder(keep=record)
         self.cached_tokens = cached_tokens
         self.serve_s = serve_s
@@ -112,6 +130,10 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.responses: list[worker_pb2.PrefillResponse] = []
 
     async def Prefill(self, request, context):  # type: ignore[no-untyped-def]
+        with _span(self.traced, context, f"{PREFILL_SERVICE}/Prefill", request.request_id):
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request, context):  # type: ignore[no-untyped-def]
         self.seen.record(request, context)
         if self.fail_with is not None:
             await context.abort(self.fail_with, "scripted prefill failure")
@@ -157,7 +179,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     ``fail_after`` / ``hang_after``: after that many tokens the stream fails (UNAVAILABLE, as
     a dying worker's) or goes silent (a hung worker's) — on this fake's first request only when
     ``once`` is set. ``cached_tokens``: what its caches serve of a prompt it computes itself
-    (the local path; with a hand-off it reports the prefill worker's)."""
+    (the local path; with a hand-off it reports the prefill worker's). ``traced``: a server
+    span per call, as a real worker's (see ``_span``)."""
 
     def __init__(
         self,
@@ -171,7 +194,9 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         hang_after: int | None = None,
         once: bool = False,
         cached_tokens: int = 0,
+        traced: bool = False,
     ) -> None:
+        self.traced = traced
         self.positional = positional
         self.cached_tokens = cached_tokens
         self.fail_after = fail_after
@@ -204,6 +229,13 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.DecodeChunk(usage=usage, transfer=transfer, engine=DECODE_ENGINE)
 
     async def Decode(self, request, context):  # type: ignore[no-untyped-def]
+        with _span(self.traced, context, f"{DECODE_SERVICE}/Decode", request.request_id):
+            # aclosing: a cancelled stream runs _decode's cleanup now, not at garbage collection
+            async with contextlib.aclosing(self._decode(request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _decode(self, request, context):  # type: ignore[no-untyped-def]
         self.seen.record(request, context)
         self.started.set()
         if self.fail_kv_transfer and request.HasField("kv_transfer_params"):
@@ -278,10 +310,10 @@ async def start_worker(servicer: FakePrefill | FakeDecode) -> GrpcServer:
     """Serve ``servicer`` on a free loopback port (``server.port``)."""
     if isinstance(servicer, FakePrefill):
         add = worker_pb2_grpc.add_PrefillWorkerServicer_to_server
-        name = "pdserve.v1.PrefillWorker"
+        name = PREFILL_SERVICE
     else:
         add = worker_pb2_grpc.add_DecodeWorkerServicer_to_server  # type: ignore[assignment]
-        name = "pdserve.v1.DecodeWorker"
+        name = DECODE_SERVICE
     server = GrpcServer("127.0.0.1", 0, [lambda s: add(servicer, s)], [name])  # type: ignore[arg-type]
     await server.start()
     return server
@@ -289,12 +321,14 @@ async def start_worker(servicer: FakePrefill | FakeDecode) -> GrpcServer:
 
 async def _serve(args: argparse.Namespace) -> None:
     stop = stop_event_on_signals()
-    prefill = FakePrefill(max_model_len=args.max_model_len, record=False)
+    traced = tracing.setup("fake-workers")
+    prefill = FakePrefill(max_model_len=args.max_model_len, record=False, traced=traced)
     decode = FakeDecode(
         delay_s=args.interval_ms / 1000,
         max_model_len=args.max_model_len,
         tokens=pieces(args.tokens),
         record=False,
+        traced=traced,
     )
     servers = [await start_worker(prefill), await start_worker(decode)]
     print(json.dumps({"prefill": servers[0].port, "decode": servers[1].port}), flush=True)
@@ -303,6 +337,7 @@ async def _serve(args: argparse.Namespace) -> None:
     finally:
         for server in servers:
             await server.stop(0)
+        tracing.shutdown()  # export the spans still buffered
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e import otlp_receiver
+from pdserve import otlp_receiver
 from tests.e2e.cases import DTYPE, cases, tier_cases
 from tests.helpers import model_dir
 

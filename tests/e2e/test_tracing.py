@@ -21,9 +21,9 @@ from typing import Any
 
 import grpc
 
+from pdserve.otlp_receiver import Receiver, Span
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import RealCluster
-from tests.e2e.otlp_receiver import Receiver, Span
 from tests.helpers import served_name
 
 DEADLINE_S = 120  # spans leave each process every 0.2 s; machines differ 10x in speed

@@ -3,6 +3,7 @@ all three paths. Checks the result's shape and sanity, never its speed."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -43,3 +44,54 @@ def test_bench_gateway_smoke(tmp_path: Path) -> None:
             - report["paths"]["direct_grpc"]["ttft_ms"]["p50"]
         )
     assert "direct_grpc" in done.stdout and "added by the gateway" in done.stdout
+
+
+def test_bench_gateway_tracing_compare(tmp_path: Path) -> None:
+    """Both arms, their phases interleaved; spans reach the receiver from the traced arm's
+    gateway and fake workers only; a throughput ratio per path and over all."""
+    out = tmp_path / "compare.json"
+    command = [
+        sys.executable, "-m", "pdserve", "bench", "gateway", "--streams", "4", "--tokens", "4",
+        "--requests", "2", "--interval-ms", "5", "--rounds", "2", "--prompt-words", "40",
+        "--model", model_dir(), "--tracing", "compare", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["tracing"] == "compare"
+    assert report["command"].endswith("--tracing compare")
+    assert report["machine"]["model_name"] and "avx2" in report["machine"]["isa"]
+    tracing = report["tracing"]
+    assert tracing["sampler"] == {"OTEL_TRACES_SAMPLER": "always_on"}
+    assert tracing["span_processor"] == "batch" and tracing["protocol"] == "http/protobuf"
+    # Each arm ran each gateway path once per round, the two arms of a path back to back.
+    phases = report["phases"]
+    assert sorted((p["round"], p["path"], p["arm"]) for p in phases) == sorted(
+        (r, path, arm) for r in (1, 2) for path in PATHS[1:] for arm in ("off", "on")
+    )
+    for first, second in zip(phases[::2], phases[1::2], strict=True):
+        assert (first["round"], first["path"]) == (second["round"], second["path"])
+        assert {first["arm"], second["arm"]} == {"off", "on"}
+    assert [p["arm"] for p in phases if p["path"] == "gateway_grpc"] == ["off", "on", "on", "off"]
+    kinds = [(p["arm"], p["path"]) for p in phases]
+    assert all(a != b for a, b in itertools.pairwise(kinds)), kinds  # no phase after its twin
+    for arm in ("off", "on"):
+        assert set(report["arms"][arm]) == set(PATHS[1:])
+        for name, path in report["arms"][arm].items():
+            assert path["requests"] == 4 * 2 * 2 and path["failed"] == 0, (arm, name)
+            assert path["requests_per_s"] > 0, (arm, name)
+    throughput = tracing["throughput"]
+    for name in PATHS[1:]:
+        figures = throughput[name]
+        assert len(figures["ratio_per_round"]) == 2 and figures["ratio_median"] > 0
+        assert figures["arms"]["on"]["requests_per_s_median"] > 0
+    assert throughput["all"]["pairs"] == 4 and throughput["all"]["ratio_median"] > 0
+    # Spans: none from the untraced arm (its environment names the receiver too); from the
+    # traced one, the gateway's six per generation request and a server span per worker call.
+    spans = tracing["spans"]
+    assert spans["off"] == {"spans": 0, "services": {}}
+    requests = 2 * 2 * 4 * (1 + 2)  # paths x rounds x streams x (ramp-up + measured)
+    assert spans["on"]["services"] == {
+        "bench-on-gateway": 6 * requests, "bench-on-fake-workers": 2 * requests
+    }  # fmt: skip
+    assert "on/off" in done.stdout and "spans received from the tracing-on" in done.stdout
