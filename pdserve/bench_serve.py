@@ -71,6 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8700, help="first of the ports used")
     parser.add_argument("--out", default="", help="result directory (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tracing", choices=("off", "compare"), default="off",
+        help="compare: pdserve untraced vs every request traced, in alternating rounds "
+        "(no vllm serve; docs/observability.md)",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2, help="--tracing compare: rounds")
+    parser.add_argument(
+        "--trace-ratio", type=float, default=1.0,
+        help="--tracing compare: share of the requests traced (default every one)",
+    )  # fmt: skip
 
 
 # ---- systems under test ------------------------------------------------------------------
@@ -112,13 +122,16 @@ def child_process(
 
 
 @contextmanager
-def pdserve_cluster(args: argparse.Namespace, out: Path) -> Iterator[str]:
+def pdserve_cluster(
+    args: argparse.Namespace, out: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``pdserve up`` with ``env`` (default: this process's) until the block ends."""
     argv = pdserve_up_argv(args, out)
     topology = argv[argv.index("up") + 1 : argv.index("--http-port")]
     p = args.port
     log = out / "pdserve-up.log"
     print(f"  starting pdserve up {' '.join(topology) or '(its default topology)'} (log {log})")
-    with child_process(argv, dict(os.environ), log) as process:
+    with child_process(argv, dict(os.environ) if env is None else env, log) as process:
         _wait_for_banner(log, process)
         yield f"http://127.0.0.1:{p}"
 
@@ -305,14 +318,28 @@ def run(args: argparse.Namespace) -> int:
 
     workloads = [w for w in args.workloads.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
-    for w in workloads:
-        workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names early
+    problem = "" if args.rounds >= 1 else "--rounds must be at least 1"
+    problem = problem or ("" if 0 < args.trace_ratio <= 1 else "--trace-ratio must be in (0, 1]")
+    try:
+        for w in workloads:
+            workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names early
+    except ValueError as exc:
+        problem = problem or str(exc)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="pdserve-bench-serve-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args.model or None)
     name = served_model_name(args.model)
     info = machine.cpu_info()
     print(f"bench serve: {machine.describe(info)}")
+    if args.tracing == "compare":
+        from pdserve import bench_serve_tracing
+
+        print(f"  tracing compare: workloads {', '.join(workloads)}; {args.rounds} rounds of "
+              f"pdserve untraced and traced; results in {out}")  # fmt: skip
+        return bench_serve_tracing.run(args, out, model, name, info)
     print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; results in {out}")
     raw: dict[str, dict[str, dict[str, Any]]] = {}  # label -> system -> vLLM result
     counters: dict[str, dict[str, dict[str, float]]] = {}
