@@ -131,8 +131,9 @@ def pdserve_cluster(
     p = args.port
     log = out / "pdserve-up.log"
     print(f"  starting pdserve up {' '.join(topology) or '(its default topology)'} (log {log})")
+    start = log.stat().st_size if log.exists() else 0  # the log of an earlier cluster stays
     with child_process(argv, dict(os.environ) if env is None else env, log) as process:
-        _wait_for_banner(log, process)
+        _wait_for_banner(log, process, start)
         yield f"http://127.0.0.1:{p}"
 
 
@@ -152,11 +153,16 @@ def pdserve_up_argv(args: argparse.Namespace, out: Path) -> list[str]:
             "--startup-timeout-s", "1800", "--log-dir", str(out / "pdserve-logs")]  # fmt: skip
 
 
-def _wait_for_banner(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 1800) -> None:
+def _wait_for_banner(
+    log: Path, process: subprocess.Popen[bytes], start: int = 0, timeout_s: float = 1800
+) -> None:
+    """Wait until ``pdserve up`` prints its banner in ``log`` after byte ``start``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if "pdserve is up" in log.read_text(errors="replace"):
-            return
+        with open(log, "rb") as f:
+            f.seek(start)
+            if b"pdserve is up" in f.read():
+                return
         if process.poll() is not None:
             raise RuntimeError(f"pdserve up exited with {process.returncode}; see {log}")
         time.sleep(1)

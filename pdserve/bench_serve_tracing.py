@@ -39,12 +39,15 @@ def compare(results: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[st
 
     ``results``: round -> arm -> label -> vLLM's result of that workload. Per label: each
     round's ratio on/off of requests/s and its median; each arm's median requests/s, TTFT p50
-    and ITL p50 (ms); ``"all"``: the median of every round's ratio of every label."""
+    and ITL p50 (ms) and its failed requests in all; ``"all"``: the median of every round's
+    ratio of every label, and the failed requests of both arms."""
     labels = sorted({label for arms in results.values() for r in arms.values() for label in r})
     out: dict[str, Any] = {}
     every: list[float] = []
+    failed_in_all = 0
     for label in labels:
         per_arm: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
+        failed = {"off": 0, "on": 0}
         ratios = []
         for round_no in sorted(results):
             rows = {}
@@ -53,26 +56,30 @@ def compare(results: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[st
                 if raw is None:
                     continue
                 rows[arm] = row = bench_report.summarize(raw, None)
+                failed[arm] += row["failed"]
                 for key in ("requests_per_s", "ttft_p50_ms", "itl_p50_ms"):
                     per_arm[arm].setdefault(key, []).append(row[key])
             if len(rows) == 2 and rows["off"]["requests_per_s"]:
                 ratios.append(rows["on"]["requests_per_s"] / rows["off"]["requests_per_s"])
         every += ratios
+        failed_in_all += sum(failed.values())
         out[label] = {
             "arms": {
                 arm: {f"{k}_median": _median(v) for k, v in figures.items()}
+                | {"failed": failed[arm]}
                 for arm, figures in per_arm.items()
             },
             "ratio_per_round": ratios,
             "ratio_median": _median(ratios),
         }
-    out["all"] = {"ratio_median": _median(every), "pairs": len(every)}
+    out["all"] = {"ratio_median": _median(every), "pairs": len(every), "failed": failed_in_all}
     return out
 
 
 def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[str, Any]) -> int:
     """Rounds of both arms; writes ``tracing.json`` and prints the figures. Exit status 1 when
-    the traced arm exported no spans or the untraced one did (the figures would mislead)."""
+    a request failed, the traced arm exported no spans or the untraced one did (the figures
+    would mislead)."""
     from pdserve import bench_serve as bs
 
     workloads = [w for w in args.workloads.split(",") if w]
@@ -110,7 +117,10 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
     print_compare(report["tracing"]["throughput"])
     tb.print_spans(report["tracing"])
     print(f"results: {out / 'tracing.json'}")
-    return 1 if tb.span_problems(spans) else 0
+    failed = report["tracing"]["throughput"]["all"]["failed"]
+    if failed:
+        print(f"error: {failed} requests failed (see the random-pdserve-*.log files)")
+    return 1 if failed or tb.span_problems(spans) else 0
 
 
 def print_compare(figures: dict[str, Any]) -> None:
@@ -129,6 +139,7 @@ def print_compare(figures: dict[str, Any]) -> None:
               f"{num(off.get('ttft_p50_ms_median'), '.0f')} -> "
               f"{num(on.get('ttft_p50_ms_median'), '.0f')} ms, ITL p50 "
               f"{num(off.get('itl_p50_ms_median'), '.1f')} -> "
-              f"{num(on.get('itl_p50_ms_median'), '.1f')} ms")  # fmt: skip
+              f"{num(on.get('itl_p50_ms_median'), '.1f')} ms; failed {off['failed']} / "
+              f"{on['failed']}")  # fmt: skip
     print(f"  all workloads: on/off {num(figures['all']['ratio_median'], '.3f')} "
           f"(median of {figures['all']['pairs']} pairs)")  # fmt: skip

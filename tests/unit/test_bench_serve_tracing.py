@@ -40,7 +40,17 @@ def test_compare_pairs_the_arms_round_by_round() -> None:
     assert random["arms"]["off"]["requests_per_s_median"] == pytest.approx(1.0)
     assert random["arms"]["on"]["ttft_p50_ms_median"] == pytest.approx(2000.0)
     assert random["arms"]["on"]["itl_p50_ms_median"] == pytest.approx(50.0)
-    assert got["all"] == {"ratio_median": pytest.approx(0.9), "pairs": 3}
+    assert random["arms"]["on"]["failed"] == 0
+    assert got["all"] == {"ratio_median": pytest.approx(0.9), "pairs": 3, "failed": 0}
+
+
+def test_failed_requests_are_counted_per_arm() -> None:
+    broken = result(1.0, 2.0, 0.05) | {"completed": 1, "failed": 3, "errors": ["", "x", "x", "x"]}
+    got = bench_serve_tracing.compare({1: {"off": {"random": result(1.0, 2.0, 0.05)},
+                                           "on": {"random": broken}}})  # fmt: skip
+    assert got["random"]["arms"]["on"]["failed"] == 3
+    assert got["random"]["arms"]["off"]["failed"] == 0
+    assert got["all"]["failed"] == 3
 
 
 def test_bad_settings_are_refused_before_anything_starts(capsys: pytest.CaptureFixture) -> None:
@@ -53,3 +63,21 @@ def test_bad_settings_are_refused_before_anything_starts(capsys: pytest.CaptureF
     ):
         assert bench_serve.run(parser.parse_args(argv)) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_second_cluster_waits_for_its_own_banner(tmp_path: Any) -> None:
+    """The log is shared by the clusters of a run: an earlier cluster's banner must not pass
+    for the next one's."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "pdserve-up.log"
+    log.write_text("... pdserve is up ...\n")
+    start = log.stat().st_size
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    with pytest.raises(RuntimeError, match="exited with 0"):
+        bench_serve._wait_for_banner(log, done, start, timeout_s=30)
+    with open(log, "a") as f:
+        f.write("pdserve is up\n")
+    bench_serve._wait_for_banner(log, done, start, timeout_s=30)
