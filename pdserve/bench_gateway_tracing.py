@@ -75,7 +75,12 @@ def arm_envs(
     arms whose environments differed by one byte ("bench-on" / "bench-off") differed in
     throughput by 6-7 % in three runs out of three, the smaller one ahead; with equal sizes,
     by 1-5 % either way in four."""
-    envs = {arm: arm_env(mode, arm, endpoint, ratio) for arm in arms}
+    return padded({arm: arm_env(mode, arm, endpoint, ratio) for arm in arms})
+
+
+def padded(envs: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """``envs`` with each padded (``PAD``) to the size in bytes of the largest."""
+    envs = {arm: {k: v for k, v in env.items() if k != PAD} for arm, env in envs.items()}
     largest = max(_size(env) for env in envs.values())
     return {arm: env | {PAD: "x" * (largest - _size(env))} for arm, env in envs.items()}
 

@@ -72,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="", help="result directory (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--tracing", choices=("off", "compare"), default="off",
+        "--tracing", choices=("off", "compare", "control"), default="off",
         help="compare: pdserve untraced vs every request traced, in alternating rounds "
-        "(no vllm serve; docs/observability.md)",
+        "(no vllm serve; docs/observability.md); control: the same with both arms untraced",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="--tracing compare: rounds")
     parser.add_argument(
@@ -340,11 +340,12 @@ def run(args: argparse.Namespace) -> int:
     name = served_model_name(args.model)
     info = machine.cpu_info()
     print(f"bench serve: {machine.describe(info)}")
-    if args.tracing == "compare":
+    if args.tracing != "off":
         from pdserve import bench_serve_tracing
 
-        print(f"  tracing compare: workloads {', '.join(workloads)}; {args.rounds} rounds of "
-              f"pdserve untraced and traced; results in {out}")  # fmt: skip
+        arms = "untraced and traced" if args.tracing == "compare" else "untraced twice"
+        print(f"  tracing {args.tracing}: workloads {', '.join(workloads)}; {args.rounds} "
+              f"rounds of pdserve {arms}; results in {out}")  # fmt: skip
         return bench_serve_tracing.run(args, out, model, name, info)
     print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; results in {out}")
     raw: dict[str, dict[str, dict[str, Any]]] = {}  # label -> system -> vLLM result

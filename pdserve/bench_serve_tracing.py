@@ -30,6 +30,15 @@ def arm_order(round_no: int) -> tuple[str, str]:
     return ("off", "on") if round_no % 2 else ("on", "off")
 
 
+def arm_envs(mode: str, endpoint: str, ratio: float) -> dict[str, dict[str, str]]:
+    """Both arms' environments. ``control``: the "on" arm untraced as well (the "off" arm's
+    variables under its own service name): how far the figures stray with no difference."""
+    if mode == "compare":
+        return tb.arm_envs("compare", ("off", "on"), endpoint, ratio)
+    off = tb.arm_env("compare", "off", endpoint, ratio)
+    return tb.padded({"off": off, "on": off | {"OTEL_SERVICE_NAME": "bench-on"}})
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -77,16 +86,16 @@ def compare(results: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[st
 
 
 def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[str, Any]) -> int:
-    """Rounds of both arms; writes ``tracing.json`` and prints the figures. Exit status 1 when
-    a request failed, the traced arm exported no spans or the untraced one did (the figures
-    would mislead)."""
+    """Rounds of both arms (``args.tracing``: "compare" or "control"); writes ``tracing.json``
+    and prints the figures. Exit status 1 when a request failed, the traced arm exported no
+    spans or an untraced one did (the figures would mislead)."""
     from pdserve import bench_serve as bs
 
     workloads = [w for w in args.workloads.split(",") if w]
     receiver = tb.ReceiverProcess()
     results: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
     try:
-        envs = tb.arm_envs("compare", ("off", "on"), receiver.endpoint, args.trace_ratio)
+        envs = arm_envs(args.tracing, receiver.endpoint, args.trace_ratio)
         for round_no in range(1, args.rounds + 1):
             for arm in arm_order(round_no):
                 system = f"pdserve-{arm}-r{round_no}"
@@ -104,12 +113,15 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
                               f"{time.monotonic() - started:.0f} s")  # fmt: skip
     finally:
         stats = receiver.close()
-    spans = tb.spans_by_arm(stats, ("off", "on"))
+    # A control has no traced arm: both arms are checked as untraced ones.
+    traced_arms = ("off", "on") if args.tracing == "compare" else ("off",)
+    spans = tb.spans_by_arm(stats, traced_arms)
+    leaked = 0 if "on" in spans else tb.spans_by_arm(stats, ("on",))["on"]["spans"]
     report = {
         "machine": info,
         "settings": {k: v for k, v in vars(args).items() if isinstance(v, str | int | float)},
         "tracing": {
-            **tb.describe_tracing("compare", args.trace_ratio, spans, None),
+            **tb.describe_tracing(args.tracing, args.trace_ratio, spans, None),
             "throughput": compare(results),
         },
     }
@@ -120,7 +132,9 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
     failed = report["tracing"]["throughput"]["all"]["failed"]
     if failed:
         print(f"error: {failed} requests failed (see the random-pdserve-*.log files)")
-    return 1 if failed or tb.span_problems(spans) else 0
+    if leaked:
+        print(f"error: the control's second untraced arm exported {leaked} spans")
+    return 1 if failed or leaked or tb.span_problems(spans) else 0
 
 
 def print_compare(figures: dict[str, Any]) -> None:

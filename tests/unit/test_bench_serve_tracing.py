@@ -81,3 +81,17 @@ def test_a_second_cluster_waits_for_its_own_banner(tmp_path: Any) -> None:
     with open(log, "a") as f:
         f.write("pdserve is up\n")
     bench_serve._wait_for_banner(log, done, start, timeout_s=30)
+
+
+def test_a_control_runs_both_arms_untraced_with_environments_of_one_size() -> None:
+    from pdserve import bench_gateway_tracing as tb
+    from pdserve import tracing
+
+    compare = bench_serve_tracing.arm_envs("compare", "http://127.0.0.1:4318", 1.0)
+    assert tracing.exporter_names(compare["on"]) == ["otlp"]
+    assert tracing.exporter_names(compare["off"]) == []
+    control = bench_serve_tracing.arm_envs("control", "http://127.0.0.1:4318", 1.0)
+    assert [tracing.exporter_names(env) for env in control.values()] == [[], []]
+    assert tracing.service_name("gateway", control["on"]) == "bench-on-gateway"
+    assert tb._size(control["on"]) == tb._size(control["off"])
+    assert tb._size(compare["on"]) == tb._size(compare["off"])
