@@ -99,9 +99,10 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
         for round_no in range(1, args.rounds + 1):
             for arm in arm_order(round_no):
                 system = f"pdserve-{arm}-r{round_no}"
+                what = f"tracing {arm}" if args.tracing == "compare" else f"arm {arm}, untraced"
                 with bs.pdserve_cluster(args, out, envs[arm]) as url:
                     for workload in workloads:
-                        print(f"  [round {round_no}/{args.rounds}, tracing {arm}] {workload} ...",
+                        print(f"  [round {round_no}/{args.rounds}, {what}] {workload} ...",
                               flush=True)  # fmt: skip
                         started = time.monotonic()
                         got = bs.run_workload(workload, system, url, args, model, name, out)
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
                             **results.get(round_no, {}).get(arm, {}),
                             **got,
                         }
-                        print(f"  [round {round_no}, tracing {arm}] {workload} done in "
+                        print(f"  [round {round_no}, {what}] {workload} done in "
                               f"{time.monotonic() - started:.0f} s")  # fmt: skip
     finally:
         stats = receiver.close()
