@@ -13,6 +13,7 @@ from gateway.config import GatewaySettings
 from pdserve import log as pdlog
 from pdserve import tracing
 from pdserve.grpc_server import stop_event_on_signals
+from pdserve.heap import freeze_startup_objects
 from pdserve.settings import cli_args, from_args
 
 log = logging.getLogger("gateway")
@@ -29,6 +30,7 @@ async def _serve(settings: GatewaySettings) -> int:
     server = GatewayServer(settings)
     try:
         await server.start()
+        freeze_startup_objects()  # full collections stop walking them
         await stop.wait()
         log.info("stopping")
     finally:

@@ -149,11 +149,11 @@ class GenerationService:
     async def start(self, request: GenerateRequest) -> Generation:
         token_ids: list[int] | None = None
         try:
-            with tracing.span("admission"):
+            with tracing.step("admission"):
                 self._check_model(request.model)
                 check_sampling(request.params)
                 self._admit()
-            with tracing.span("tokenize") as span:
+            with tracing.step("tokenize") as span:
                 token_ids = await self.offload.run(self.tokenize, request.prompt)
                 span.set_attribute("pdserve.prompt_tokens", len(token_ids))
             params = resolve_max_tokens(
@@ -163,7 +163,7 @@ class GenerationService:
                 self.settings.default_max_tokens,
                 prompt_param="messages" if request.prompt.messages is not None else "prompt",
             )
-            with tracing.span("route") as span:
+            with tracing.step("route") as span:
                 route = await self._route(request, token_ids, params)
                 if span.is_recording():
                     span.set_attributes(route_attributes(self.picker.name, route))

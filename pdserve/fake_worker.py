@@ -26,6 +26,7 @@ import grpc
 
 from pdserve import tracing
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
+from pdserve.heap import freeze_startup_objects
 from pdserve.settings import default_model_dir
 from pdserve.worker.server import rpc_span
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -331,6 +332,7 @@ async def _serve(args: argparse.Namespace) -> None:
         traced=traced,
     )
     servers = [await start_worker(prefill), await start_worker(decode)]
+    freeze_startup_objects()
     print(json.dumps({"prefill": servers[0].port, "decode": servers[1].port}), flush=True)
     try:
         await stop.wait()

@@ -35,6 +35,11 @@ PROTOCOLS = ("http/protobuf", "grpc")
 
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
 _provider: Any = None
+_kinds: dict[str, Any] = {}  # "server", "client", "internal": the SpanKind (while on)
+# While on, the OpenTelemetry modules the request path uses (imported once, by ``setup``).
+_context: Any = None  # opentelemetry.context
+_trace: Any = None  # opentelemetry.trace
+_propagate: Any = None  # opentelemetry.propagate
 
 
 class _NoSpan:
@@ -131,7 +136,7 @@ def setup(role: str, worker_id: str = "", exporters: Sequence[Any] | None = None
     ``role``: "gateway", "prefill" or "decode". ``exporters`` (tests): span exporters to use
     instead of the environment's, each span exported as it ends. A misconfiguration is
     logged, and the process runs untraced rather than not at all."""
-    global _tracer, _provider
+    global _tracer, _provider, _context, _trace, _propagate
     if _tracer is not None:
         return True
     names = ["given"] if exporters else exporter_names()
@@ -142,20 +147,25 @@ def setup(role: str, worker_id: str = "", exporters: Sequence[Any] | None = None
     except ValueError as exc:
         log.error("tracing stays off: %s", exc)
         return False
-    from opentelemetry.sdk.resources import Resource
+    from opentelemetry import context, propagate, trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    from pdserve.tracing_sdk import resource
 
     attributes = {"service.name": service_name(role), "pdserve.role": role}
     if worker_id:
         attributes |= {"service.instance.id": worker_id, "pdserve.worker_id": worker_id}
     # Sampler from OTEL_TRACES_SAMPLER (default parentbased_always_on); flushed at exit.
-    provider = TracerProvider(resource=Resource.create(attributes))
+    provider = TracerProvider(resource=resource(attributes))
     processor = SimpleSpanProcessor if exporters else BatchSpanProcessor
     for exporter in chosen:
         provider.add_span_processor(processor(exporter))
     # This provider is pdserve's own, not the global one: vLLM's tracing (in the same
     # process) sets up its own, and the two must not replace each other.
+    _context, _trace, _propagate = context, trace, propagate
+    kinds = trace.SpanKind
+    _kinds.update(server=kinds.SERVER, client=kinds.CLIENT, internal=kinds.INTERNAL)
     _provider = provider
     _tracer = provider.get_tracer("pdserve")
     log.info("tracing on: service.name %s, exporters %s", attributes["service.name"], names)
@@ -171,9 +181,7 @@ def shutdown() -> None:
 
 
 def _kind(kind: str) -> Any:
-    from opentelemetry.trace import SpanKind
-
-    return {"server": SpanKind.SERVER, "client": SpanKind.CLIENT}.get(kind, SpanKind.INTERNAL)
+    return _kinds.get(kind, _kinds.get("internal"))
 
 
 def span(
@@ -188,9 +196,35 @@ def span(
     ``parent``: a context from ``extract`` (default: the current span)."""
     if _tracer is None:
         return NO_SPAN
-    return _tracer.start_as_current_span(
-        name, context=parent, kind=_kind(kind), attributes=attributes
+    return _Current(
+        _tracer.start_span(name, context=parent, kind=_kind(kind), attributes=attributes)
     )
+
+
+class _Step:
+    """``step``'s context manager: ends the span on the way out, failed by an exception."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+
+    def __enter__(self) -> Any:
+        return self.span
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, Exception):  # as ``span`` does: not for cancellation or exit
+            fail(self.span, exc)
+        self.span.end()
+
+
+def step(name: str) -> Any:
+    """A context manager: an internal span, child of the current span, for a step that starts
+    no span of its own; unlike ``span``, it is not made current inside the ``with``, which
+    spares the context switches (exceptions are recorded as ``span`` records them)."""
+    if _tracer is None:
+        return NO_SPAN
+    return _Step(_tracer.start_span(name))
 
 
 def start_span(
@@ -213,26 +247,44 @@ class use:
     """Make ``span`` current inside the ``with``; on an exception, record it and end the span
     (the caller ends it otherwise)."""
 
+    __slots__ = ("_token", "span")
+
     def __init__(self, span: Any) -> None:
         self.span = span
         self._token: Any = None
 
     def __enter__(self) -> Any:
         if self.span is not NO_SPAN:
-            from opentelemetry import context, trace
-
-            self._token = context.attach(trace.set_span_in_context(self.span))
+            self._token = _context.attach(_trace.set_span_in_context(self.span))
         return self.span
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if self._token is None:
             return
-        from opentelemetry import context
-
-        context.detach(self._token)
+        _context.detach(self._token)
         if exc is not None:
             fail(self.span, exc)
             self.span.end()
+
+
+class _Current:
+    """``span``'s context manager: the span is current inside the ``with`` and ends on the
+    way out, failed by an exception (not by cancellation, as OpenTelemetry's own)."""
+
+    __slots__ = ("_token", "span")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+
+    def __enter__(self) -> Any:
+        self._token = _context.attach(_trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        _context.detach(self._token)
+        if isinstance(exc, Exception):
+            fail(self.span, exc)
+        self.span.end()
 
 
 def fail(span: Any, exc: BaseException | str) -> None:
@@ -271,10 +323,8 @@ def inject() -> tuple[tuple[str, str], ...]:
     tracing is off or no span is current."""
     if _tracer is None:
         return ()
-    from opentelemetry.propagate import inject as otel_inject
-
     carrier: dict[str, str] = {}
-    otel_inject(carrier)
+    _propagate.inject(carrier)
     return tuple(carrier.items())
 
 
@@ -296,9 +346,7 @@ def extract(pairs: Iterable[tuple[Any, Any]] | Mapping[str, Any] | None) -> Any:
             carrier[name.lower()] = value.decode("latin-1") if isinstance(value, bytes) else value
     if not carrier:
         return None
-    from opentelemetry.propagate import extract as otel_extract
-
-    return otel_extract(carrier)
+    return _propagate.extract(carrier)
 
 
 def trace_id(span: Any) -> str:
@@ -312,9 +360,7 @@ def current_trace_id() -> str:
     """The trace id of the current span ("" while tracing is off or no span is current)."""
     if _tracer is None:
         return ""
-    from opentelemetry import trace
-
-    context = trace.get_current_span().get_span_context()
+    context = _trace.get_current_span().get_span_context()
     return f"{context.trace_id:032x}" if context.is_valid else ""
 
 

@@ -3,6 +3,8 @@ context in and out (SDK in-memory exporter)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -34,6 +36,7 @@ def test_off_costs_nothing_and_carries_nothing() -> None:
         assert tracing.inject() == ()
     assert span is tracing.NO_SPAN
     assert tracing.start_span("y") is tracing.NO_SPAN
+    assert tracing.step("z") is tracing.NO_SPAN
     assert tracing.extract({"traceparent": PARENT}) is None
 
 
@@ -72,3 +75,52 @@ def test_use_ends_a_span_on_error_and_finish_ends_it_once(
     assert first.name == "decode" and not first.status.is_ok
     assert "late" not in (first.attributes or {})
     assert (second.start_time, second.end_time) == (1_000 * 10**9, 1_002_500_000_000)
+
+
+def test_a_step_is_a_child_that_is_not_made_current(spans: InMemorySpanExporter) -> None:
+    with tracing.span("request", kind="server") as request:
+        with tracing.step("route") as route:
+            route.set_attribute("pdserve.picker", "load")
+            carried = dict(tracing.inject())  # still the request's context, not the step's
+        with pytest.raises(ValueError), tracing.step("admission"):
+            raise ValueError("bad model")
+        with pytest.raises(asyncio.CancelledError), tracing.step("tokenize"):
+            raise asyncio.CancelledError  # cancellation is not a failure
+    routed, refused, cancelled, root = spans.get_finished_spans()
+    assert root.context.span_id == request.get_span_context().span_id
+    for step in (routed, refused, cancelled):
+        assert step.parent is not None and step.parent.span_id == root.context.span_id
+        assert step.kind.name == "INTERNAL"
+    assert int(carried["traceparent"].split("-")[2], 16) == root.context.span_id
+    assert routed.attributes == {"pdserve.picker": "load"} and routed.status.is_unset
+    assert not refused.status.is_ok and refused.status.description == "ValueError: bad model"
+    assert [event.name for event in refused.events] == ["exception"]
+    assert cancelled.status.is_unset and not cancelled.events
+
+
+def test_a_span_fails_on_an_error_but_not_on_cancellation(spans: InMemorySpanExporter) -> None:
+    with pytest.raises(KeyError), tracing.span("POST /v1/completions", kind="server"):
+        assert tracing.current_trace_id()  # current inside the with
+        raise KeyError("boom")
+    with pytest.raises(asyncio.CancelledError), tracing.span("Generate", kind="server"):
+        raise asyncio.CancelledError
+    assert tracing.current_trace_id() == ""  # and no longer after it
+    failed, cancelled = spans.get_finished_spans()
+    assert failed.kind.name == "SERVER" and not failed.status.is_ok
+    assert [event.name for event in failed.events] == ["exception"]
+    assert cancelled.end_time is not None and cancelled.status.is_unset
+
+
+def test_the_resource_hashes_as_the_sdks_once(spans: InMemorySpanExporter) -> None:
+    from opentelemetry.sdk.resources import Resource
+
+    from pdserve.tracing_sdk import resource
+
+    with tracing.span("x"):
+        pass
+    fixed = spans.get_finished_spans()[0].resource
+    plain = Resource(fixed.attributes, fixed.schema_url)
+    assert fixed.attributes["service.name"] == "pdserve-gateway"
+    assert "telemetry.sdk.version" in fixed.attributes  # Resource.create's own attributes
+    assert hash(fixed) == hash(plain) and fixed == plain and {plain: 1}[fixed] == 1
+    assert resource({"a": 1}) != resource({"a": 2})
