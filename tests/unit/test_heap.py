@@ -20,7 +20,10 @@ def unfrozen() -> Iterator[None]:
 def test_start_up_objects_are_frozen_and_later_garbage_still_collected(unfrozen: None) -> None:
     kept = [[i] for i in range(1000)]
     frozen = freeze_startup_objects()
-    assert frozen == gc.get_freeze_count() >= len(kept)
+    assert frozen >= len(kept)
+    # Only ever lower from here: a frozen object freed by its last reference (another thread
+    # of the session may drop one at any moment) leaves the count; nothing else joins it.
+    assert 0 < gc.get_freeze_count() <= frozen
     assert not any(o is kept for o in gc.get_objects())  # no generation holds it
 
     class Cycle:
@@ -30,4 +33,4 @@ def test_start_up_objects_are_frozen_and_later_garbage_still_collected(unfrozen:
     cycles = [Cycle() for _ in range(10)]
     del cycles
     assert gc.collect() >= 10  # made after the freeze: collected as ever
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() <= frozen  # and the collection froze nothing new
