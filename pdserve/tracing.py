@@ -213,8 +213,8 @@ class _Step:
         return self.span
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, Exception):  # as ``span`` does: not for cancellation or exit
-            fail(self.span, exc)
+        if isinstance(exc, Exception):  # not for cancellation or exit (OpenTelemetry's own
+            fail(self.span, exc)  # context manager fails the span on those too)
         self.span.end()
 
 
@@ -267,14 +267,10 @@ class use:
             self.span.end()
 
 
-class _Current:
-    """``span``'s context manager: the span is current inside the ``with`` and ends on the
-    way out, failed by an exception (not by cancellation, as OpenTelemetry's own)."""
+class _Current(_Step):
+    """``span``'s context manager: as ``step``'s, with the span current inside the ``with``."""
 
-    __slots__ = ("_token", "span")
-
-    def __init__(self, span: Any) -> None:
-        self.span = span
+    __slots__ = ("_token",)
 
     def __enter__(self) -> Any:
         self._token = _context.attach(_trace.set_span_in_context(self.span))
@@ -282,9 +278,7 @@ class _Current:
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         _context.detach(self._token)
-        if isinstance(exc, Exception):
-            fail(self.span, exc)
-        self.span.end()
+        super().__exit__(kind, exc, tb)
 
 
 def fail(span: Any, exc: BaseException | str) -> None:

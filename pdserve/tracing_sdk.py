@@ -22,9 +22,6 @@ class FixedResource(Resource):
     def __hash__(self) -> int:
         return self._hash
 
-    def __eq__(self, other: object) -> bool:
-        return super().__eq__(other)
-
 
 def resource(attributes: Mapping[str, Any]) -> FixedResource:
     """``Resource.create`` (environment and SDK attributes added) with a fixed hash."""
