@@ -10,10 +10,10 @@ import grpc
 from decode_service.service import DecodeEvent, DecodeService
 from pdserve.worker import handoff
 from pdserve.worker.errors import WorkerError
-from pdserve.worker.server import ServicerBase, fail, rpc_span
+from pdserve.worker.server import DECODE_SERVICE, ServicerBase, fail, rpc_span
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+SERVICE_NAME = DECODE_SERVICE
 
 
 def to_chunk(event: DecodeEvent) -> worker_pb2.DecodeChunk:

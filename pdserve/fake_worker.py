@@ -28,7 +28,7 @@ from pdserve import tracing
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.heap import freeze_startup_objects
 from pdserve.settings import default_model_dir
-from pdserve.worker.server import rpc_span
+from pdserve.worker.server import DECODE_SERVICE, PREFILL_SERVICE, rpc_span
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # (token id, text) of the scripted answer: "Hello, world!"
@@ -44,10 +44,6 @@ DECODE_ENGINE = common_pb2.EngineTimes(
 def pieces(n: int) -> list[tuple[int, str]]:
     """``n`` scripted tokens: ``DEFAULT_PIECES`` over and over."""
     return list(itertools.islice(itertools.cycle(DEFAULT_PIECES), n))
-
-
-PREFILL_SERVICE = "pdserve.v1.PrefillWorker"
-DECODE_SERVICE = "pdserve.v1.DecodeWorker"
 
 
 def _span(traced: bool, context: Any, method: str, request_id: str) -> Any:

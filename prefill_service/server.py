@@ -8,11 +8,11 @@ import grpc
 
 from pdserve.worker import handoff
 from pdserve.worker.errors import WorkerError
-from pdserve.worker.server import ServicerBase, fail, rpc_span
+from pdserve.worker.server import PREFILL_SERVICE, ServicerBase, fail, rpc_span
 from prefill_service.service import PrefillService
 from protos.v1 import worker_pb2, worker_pb2_grpc
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+SERVICE_NAME = PREFILL_SERVICE
 
 
 class PrefillServicer(ServicerBase, worker_pb2_grpc.PrefillWorkerServicer):

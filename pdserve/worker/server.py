@@ -56,6 +56,11 @@ async def fail(context: grpc.aio.ServicerContext, exc: WorkerError) -> NoReturn:
     raise AssertionError("unreachable")  # context.abort raises
 
 
+# The workers' gRPC services' full names (method paths, health, reflection, span names).
+PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+
 def rpc_span(context: grpc.aio.ServicerContext, method: str, request_id: str) -> Any:
     """The server span of one RPC (``method``: its full name), child of the caller's span
     when the call's metadata carries a ``traceparent``; a no-op while tracing is off."""
