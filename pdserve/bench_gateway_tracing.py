@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 # --tracing -> the arms, in their order within the first round.
@@ -159,7 +160,8 @@ def print_spans(traced: dict[str, Any]) -> None:
         print(f"error: {problem}")
 
 
-def _median(values: list[float]) -> float | None:
+def median(values: list[float]) -> float | None:
+    """The median of ``values``, None when there are none."""
     return statistics.median(values) if values else None
 
 
@@ -193,8 +195,8 @@ def compare(phases: list[dict[str, Any]], paths: tuple[str, ...]) -> dict[str, A
             rates = [p["requests"] / p["wall_s"] for p in mine if p["wall_s"]]
             per_arm[arm] = {
                 "requests_per_s": rates,
-                "requests_per_s_median": _median(rates),
-                "tokens_per_s_median": _median(
+                "requests_per_s_median": median(rates),
+                "tokens_per_s_median": median(
                     [p["tokens"] / p["wall_s"] for p in mine if p["wall_s"]]
                 ),
                 "gateway_cpu_us_per_token": _per_token(mine, "gateway_cpu_s"),
@@ -209,27 +211,34 @@ def compare(phases: list[dict[str, Any]], paths: tuple[str, ...]) -> dict[str, A
         out[path] = {
             "arms": per_arm,
             "ratio_per_round": ratios,
-            "ratio_median": _median(ratios),
+            "ratio_median": median(ratios),
             "gateway_cpu_ratio": _ratio(
                 per_arm["on"]["gateway_cpu_us_per_token"],
                 per_arm["off"]["gateway_cpu_us_per_token"],
             ),
         }
-    out["all"] = {"ratio_median": _median(every), "pairs": len(every)}
+    out["all"] = {"ratio_median": median(every), "pairs": len(every)}
     return out
 
 
-def print_compare(report: dict[str, Any]) -> None:
-    def num(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
+def num(value: float | None, fmt: str) -> str:
+    """``value`` formatted, "-" when there is none."""
+    return "-" if value is None else format(value, fmt)
 
+
+def compared(figures: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(path or workload, its figures, its rounds' on/off ratios as text) of a comparison's
+    figures, without the summary of them all."""
+    for name, f in figures.items():
+        if name != "all":
+            yield name, f, " ".join(f"{r:.3f}" for r in f["ratio_per_round"])
+
+
+def print_compare(report: dict[str, Any]) -> None:
     figures = report["tracing"]["throughput"]
     print("throughput, tracing off vs on (median over rounds of each round's on/off ratio):")
-    for path, f in figures.items():
-        if path == "all":
-            continue
+    for path, f, per_round in compared(figures):
         off, on = f["arms"]["off"], f["arms"]["on"]
-        per_round = " ".join(f"{r:.3f}" for r in f["ratio_per_round"])
         print(f"  {path}: {num(off['requests_per_s_median'], '.1f')} -> "
               f"{num(on['requests_per_s_median'], '.1f')} requests/s (medians), on/off "
               f"{num(f['ratio_median'], '.3f')} (rounds: {per_round}); gateway CPU/token "

@@ -127,21 +127,26 @@ def pdserve_cluster(
 ) -> Iterator[str]:
     """``pdserve up`` with ``env`` (default: this process's) until the block ends."""
     argv = pdserve_up_argv(args, out)
-    topology = argv[argv.index("up") + 1 : argv.index("--http-port")]
     p = args.port
     log = out / "pdserve-up.log"
-    print(f"  starting pdserve up {' '.join(topology) or '(its default topology)'} (log {log})")
+    topology = " ".join(_topology(args)) or "(its default topology)"
+    print(f"  starting pdserve up {topology} (log {log})")
     start = log.stat().st_size if log.exists() else 0  # the log of an earlier cluster stays
     with child_process(argv, dict(os.environ) if env is None else env, log) as process:
         _wait_for_banner(log, process, start)
         yield f"http://127.0.0.1:{p}"
 
 
+def _topology(args: argparse.Namespace) -> list[str]:
+    """``pdserve up``'s worker counts, as asked (none: its default)."""
+    topology = ["--prefill", str(args.prefill)] if args.prefill else []
+    return topology + (["--decode", str(args.decode)] if args.decode else [])
+
+
 def pdserve_up_argv(args: argparse.Namespace, out: Path) -> list[str]:
     """``pdserve up`` on ports from ``--port`` on (NIXL side channels from --port + 70)."""
     p = args.port
-    topology = ["--prefill", str(args.prefill)] if args.prefill else []
-    topology += ["--decode", str(args.decode)] if args.decode else []
+    topology = _topology(args)
     options = ["--model", args.model] if args.model else []
     options += ["--gpus", args.gpus] if args.gpus else []
     if args.engine_args:  # "=": a value starting with "--" would be read as a flag
@@ -192,27 +197,23 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
 
     port = args.port + 5
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or detect_gpus()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "42"}
     if gpus:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0], "HF_HUB_OFFLINE": "1",
-               "PYTHONHASHSEED": "42"}  # fmt: skip
-        log = out / "vllm-serve.log"
-        print(f"  starting monolithic vllm serve on GPU {gpus[0]} (log {log})")
-        argv = monolith_argv(model, name, port, gpu=True, engine_args=args.engine_args)
-        with child_process(argv, env, log) as process:
-            _wait_http(f"http://127.0.0.1:{port}/health", process, 1800, "vllm serve")
-            yield f"http://127.0.0.1:{port}"
-        return
-    cores = usable_cores()
-    engines = (args.prefill or 1) + (args.decode or 1)
-    # The same KV memory in total as the pdserve engines, all the cores, one OpenMP thread each.
-    kv_gib = WorkerSettings.model_fields["kv_cache_gib"].default * engines
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "HF_HUB_OFFLINE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores), "PYTHONHASHSEED": "42"}  # fmt: skip
+        env["CUDA_VISIBLE_DEVICES"], where, timeout_s = gpus[0], f"GPU {gpus[0]}", 1800
+    else:
+        cores = usable_cores()
+        engines = (args.prefill or 1) + (args.decode or 1)
+        # The same KV memory in total as the pdserve engines, all the cores, one OpenMP
+        # thread each.
+        kv_gib = WorkerSettings.model_fields["kv_cache_gib"].default * engines
+        env |= {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
+                "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores)}  # fmt: skip
+        where, timeout_s = f"cores {format_cores(cores)}", 900
     log = out / "vllm-serve.log"
-    print(f"  starting monolithic vllm serve on cores {format_cores(cores)} (log {log})")
-    argv = monolith_argv(model, name, port, engine_args=args.engine_args)
+    print(f"  starting monolithic vllm serve on {where} (log {log})")
+    argv = monolith_argv(model, name, port, gpu=bool(gpus), engine_args=args.engine_args)
     with child_process(argv, env, log) as process:
-        _wait_http(f"http://127.0.0.1:{port}/health", process, 900, "vllm serve")
+        _wait_http(f"http://127.0.0.1:{port}/health", process, timeout_s, "vllm serve")
         yield f"http://127.0.0.1:{port}"
 
 
@@ -318,19 +319,27 @@ def gateway_counters(url: str) -> dict[str, float]:
 
 
 # ---- the run -----------------------------------------------------------------------------
+def _settings_problem(args: argparse.Namespace, workloads: list[str]) -> str:
+    """What is wrong with the settings, before anything starts ("" when nothing)."""
+    if args.rounds < 1:
+        return "--rounds must be at least 1"
+    if not 0 < args.trace_ratio <= 1:
+        return "--trace-ratio must be in (0, 1]"
+    try:
+        for w in workloads:
+            workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.model import resolve_model
     from pdserve.up import served_model_name
 
     workloads = [w for w in args.workloads.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
-    problem = "" if args.rounds >= 1 else "--rounds must be at least 1"
-    problem = problem or ("" if 0 < args.trace_ratio <= 1 else "--trace-ratio must be in (0, 1]")
-    try:
-        for w in workloads:
-            workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names early
-    except ValueError as exc:
-        problem = problem or str(exc)
+    problem = _settings_problem(args, workloads)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

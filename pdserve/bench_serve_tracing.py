@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,6 @@ def arm_envs(mode: str, endpoint: str, ratio: float) -> dict[str, dict[str, str]
         return tb.arm_envs("compare", ("off", "on"), endpoint, ratio)
     off = tb.arm_env("compare", "off", endpoint, ratio)
     return tb.padded({"off": off, "on": off | {"OTEL_SERVICE_NAME": "bench-on"}})
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def compare(results: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
@@ -74,14 +69,14 @@ def compare(results: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[st
         failed_in_all += sum(failed.values())
         out[label] = {
             "arms": {
-                arm: {f"{k}_median": _median(v) for k, v in figures.items()}
+                arm: {f"{k}_median": tb.median(v) for k, v in figures.items()}
                 | {"failed": failed[arm]}
                 for arm, figures in per_arm.items()
             },
             "ratio_per_round": ratios,
-            "ratio_median": _median(ratios),
+            "ratio_median": tb.median(ratios),
         }
-    out["all"] = {"ratio_median": _median(every), "pairs": len(every), "failed": failed_in_all}
+    out["all"] = {"ratio_median": tb.median(every), "pairs": len(every), "failed": failed_in_all}
     return out
 
 
@@ -106,10 +101,7 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
                               flush=True)  # fmt: skip
                         started = time.monotonic()
                         got = bs.run_workload(workload, system, url, args, model, name, out)
-                        results.setdefault(round_no, {})[arm] = {
-                            **results.get(round_no, {}).get(arm, {}),
-                            **got,
-                        }
+                        results.setdefault(round_no, {}).setdefault(arm, {}).update(got)
                         print(f"  [round {round_no}, {what}] {workload} done in "
                               f"{time.monotonic() - started:.0f} s")  # fmt: skip
     finally:
@@ -139,15 +131,10 @@ def run(args: argparse.Namespace, out: Path, model: str, name: str, info: dict[s
 
 
 def print_compare(figures: dict[str, Any]) -> None:
-    def num(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
+    num = tb.num
     print("pdserve throughput, tracing off vs on (median over rounds of each round's on/off):")
-    for label, f in figures.items():
-        if label == "all":
-            continue
+    for label, f, per_round in tb.compared(figures):
         off, on = f["arms"]["off"], f["arms"]["on"]
-        per_round = " ".join(f"{r:.3f}" for r in f["ratio_per_round"])
         print(f"  {label}: {num(off.get('requests_per_s_median'), '.3f')} -> "
               f"{num(on.get('requests_per_s_median'), '.3f')} requests/s, on/off "
               f"{num(f['ratio_median'], '.3f')} (rounds: {per_round}); TTFT p50 "
