@@ -111,14 +111,20 @@ def test_a_rejected_handoff_makes_the_decode_engine_notify_without_reading() -> 
     assert (job.remote.host, job.remote.port) == ("10.0.0.1", 5600)
 
 
-def test_a_decode_request_aborted_while_queued_also_notifies() -> None:
+def queued_decode(request_id: str) -> tuple[Any, Any]:
+    """A decode engine's NIXL scheduler with one request, queued, that brings a hand-off."""
     _, _, handoff = producer_handoff()
     consumer = nixl_stand_in.scheduler("decode-0", "10.0.0.2", 5601)
     sampling = SamplingParams(
         max_tokens=8, extra_args={"kv_transfer_params": decode_params(handoff)}
     )
-    request = nixl_stand_in.request("d-1-0000beef", PROMPT, sampling)
+    request = nixl_stand_in.request(request_id, PROMPT, sampling)
     consumer.on_new_request(request)
+    return consumer, request
+
+
+def test_a_decode_request_aborted_while_queued_also_notifies() -> None:
+    consumer, request = queued_decode("d-1-0000beef")
     assert "prefill-0" in consumer._heartbeat_by_engine  # renewing the lease while queued
     request.status = RequestStatus.FINISHED_ABORTED
     consumer.request_finished(request, ([],))
@@ -127,13 +133,7 @@ def test_a_decode_request_aborted_while_queued_also_notifies() -> None:
 
 
 def test_a_decode_request_aborted_during_its_read_is_left_to_the_read() -> None:
-    _, _, handoff = producer_handoff()
-    consumer = nixl_stand_in.scheduler("decode-0", "10.0.0.2", 5601)
-    sampling = SamplingParams(
-        max_tokens=8, extra_args={"kv_transfer_params": decode_params(handoff)}
-    )
-    request = nixl_stand_in.request("d-2-0000beef", PROMPT, sampling)
-    consumer.on_new_request(request)
+    consumer, request = queued_decode("d-2-0000beef")
     consumer.update_state_after_alloc(request, nixl_stand_in.blocks([4, 5]), len(PROMPT))
     consumer.build_connector_meta(None)  # the read starts
     request.status = RequestStatus.FINISHED_ABORTED
