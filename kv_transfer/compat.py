@@ -115,10 +115,12 @@ def attention_isa(vllm_config: Any) -> str:
 
 def handoff_connector(kv_transfer_config: Any) -> str:
     """The class name of the connector that moves hand-offs: the engine's connector, or under
-    vLLM's MultiConnector (a KV tier beneath) its first child."""
+    vLLM's MultiConnector (a KV tier beneath) its first child (the tier is reported apart, as
+    ``kv_tier``)."""
     name = str(kv_transfer_config.kv_connector)
     if name == "MultiConnector":
-        children = kv_transfer_config.kv_connector_extra_config.get("connectors") or [{}]
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        children = extra.get("connectors") or [{}]
         name = str(children[0].get("kv_connector") or name)
     return name
 

@@ -228,16 +228,6 @@ def _first(name: Any) -> str:
     return str(name[0] if isinstance(name, list | tuple) else name)
 
 
-def handoff_connector_name(transfer: Any) -> str:
-    """The prefill→decode hand-off connector's name; under MultiConnector (a KV tier) its
-    first child (the tier is reported apart, as ``kv_tier``)."""
-    name = str(transfer.kv_connector)
-    if name == "MultiConnector":
-        children = (transfer.kv_connector_extra_config or {}).get("connectors") or [{}]
-        name = str(children[0].get("kv_connector", name))
-    return name
-
-
 def describe(engine: Any) -> EngineInfo:
     from kv_transfer import compat
 
@@ -250,7 +240,7 @@ def describe(engine: Any) -> EngineInfo:
         max_model_len=int(config.model_config.max_model_len),
         num_kv_blocks=int(cache.num_gpu_blocks or 0),
         dtype=str(config.model_config.dtype).removeprefix("torch."),
-        kv_connector=handoff_connector_name(config.kv_transfer_config),
+        kv_connector=compat.handoff_connector(config.kv_transfer_config),
         kv_compat=compat.describe(config),
     )
 

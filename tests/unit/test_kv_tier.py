@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kv_transfer.compat import handoff_connector
 from pdserve.worker import kv_tier
-from pdserve.worker.engine import handoff_connector_name, kv_transfer_config
+from pdserve.worker.engine import kv_transfer_config
 from prefill_service.config import PrefillSettings
 
 
@@ -69,4 +70,4 @@ def test_engine_connector_is_the_handoff_alone_or_a_multiconnector_with_the_tier
     assert [c["kv_connector"] for c in children] == ["PdserveConnector", "PdserveTierConnector"]
     assert children[0]["kv_connector_extra_config"]["kv_port"] == settings().kv_port
     # What the worker reports (and its abort/release path keys on) is the hand-off connector.
-    assert handoff_connector_name(tiered) == handoff_connector_name(plain) == "PdserveConnector"
+    assert handoff_connector(tiered) == handoff_connector(plain) == "PdserveConnector"
