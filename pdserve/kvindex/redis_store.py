@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
@@ -115,12 +118,18 @@ class RedisStore:
         # A blocking pool: with more concurrent calls than connections a call waits (up to
         # timeout_s) for one, where the default pool fails it at once ("Too many
         # connections"), which at 256 concurrent requests turned prefix routing off.
+        # One retry on a connection error: after a Redis restart every idle pooled connection
+        # is closed by the server, and without it each failed its next call once (a prefix
+        # lookup routed by load only, a worker's index write put off until the next check).
+        # The retry reconnects; with Redis down it fails as fast as the first try (connection
+        # refused), and a timeout is not retried (a hung Redis would double every wait).
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=MAX_CONNECTIONS,
             timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self.client = aioredis.Redis.from_pool(pool)
         self._apply = self.client.register_script(_APPLY)

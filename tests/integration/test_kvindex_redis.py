@@ -152,3 +152,18 @@ async def test_unreachable_redis_is_a_clear_error_and_recovers(redis_server: Red
         assert await store.longest_prefixes(M, [1], ["p0"]) == {"p0": 0}
     finally:
         await store.close()
+
+
+async def test_the_first_call_after_a_redis_restart_succeeds(redis_server: RedisServer) -> None:
+    """Every pooled connection is stale once Redis restarts (the server closed it): a call
+    that gets one reconnects and goes through, rather than failing once per connection."""
+    store = RedisStore(redis_server.url, timeout_s=2.0)
+    try:
+        # Several connections in the pool, each used once and idle now.
+        await asyncio.gather(*(store.apply(M, f"p{n}", [BlockOps(stored=[n])]) for n in range(8)))
+        redis_server.stop()
+        redis_server.start()  # same port, empty data (no persistence)
+        for n in range(8):
+            assert await store.longest_prefixes(M, [n], [f"p{n}"]) == {f"p{n}": 0}
+    finally:
+        await store.close()
