@@ -57,6 +57,14 @@ $(STAMP): pyproject.toml Makefile $(KV_TIER_REQUIREMENTS)
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@# tcmalloc, which vLLM asks for on the CPU: the workers preload it into their engines
+	@# (pdserve.worker.engine.cpu_preload; faster prefill and decode: docs/benchmarks.md).
+	@ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || \
+	 ls /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { \
+	  echo "==> installing libtcmalloc-minimal4 (Debian package)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
 	@touch $@
 
 model: $(STAMP)

@@ -41,9 +41,11 @@ from pdserve import bench_report, machine
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "mixed")
 SYSTEMS = ("pdserve", "vllm")
-# pdserve counters worth seeing next to the latencies (lines of the gateway's /metrics).
+# pdserve counters worth seeing next to the latencies (lines of the gateway's /metrics), and
+# the time per phase (queue, prefill, transfer, decode) summed over finished requests.
 COUNTERS = re.compile(
-    r"^pdserve_gateway_(local_fallbacks|requests|kv_transfer_bytes|rejected)_total"
+    r"^pdserve_gateway_((local_fallbacks|requests|kv_transfer_bytes|rejected)_total"
+    r"|phase_seconds_(sum|count))"
 )
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -194,6 +196,7 @@ def monolith_argv(
 def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
     from pdserve.placement import detect_gpus, format_cores, usable_cores
     from pdserve.worker.config import WorkerSettings
+    from pdserve.worker.engine import cpu_preload, find_tcmalloc
 
     port = args.port + 5
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or detect_gpus()
@@ -208,6 +211,10 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
         kv_gib = WorkerSettings.model_fields["kv_cache_gib"].default * engines
         env |= {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
                 "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores)}  # fmt: skip
+        # The allocator pdserve's engines get (tcmalloc), as vLLM's CPU guide asks.
+        preload = cpu_preload(env.get("LD_PRELOAD", ""), find_tcmalloc())[0]
+        if preload:
+            env["LD_PRELOAD"] = preload
         where, timeout_s = f"cores {format_cores(cores)}", 900
     log = out / "vllm-serve.log"
     print(f"  starting monolithic vllm serve on {where} (log {log})")

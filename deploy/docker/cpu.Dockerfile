@@ -24,10 +24,12 @@ ENV VIRTUAL_ENV=/opt/pdserve/venv \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# libnuma1: vLLM's CPU kernels link it. tini: PID 1 that forwards signals and reaps the engine's
-# child processes. A fixed numeric uid lets Kubernetes check runAsNonRoot against the image.
+# libnuma1: vLLM's CPU kernels link it. libtcmalloc-minimal4: the allocator the workers preload
+# into their engines (pdserve.worker.engine.cpu_preload), as vLLM asks for on the CPU. tini:
+# PID 1 that forwards signals and reaps the engine's child processes. A fixed numeric uid lets
+# Kubernetes check runAsNonRoot against the image.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libnuma1 tini \
+ && apt-get install -y --no-install-recommends libnuma1 libtcmalloc-minimal4 tini \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 pdserve \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/pdserve --create-home \
