@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.worker import kv_tier
+from pdserve.worker import kv_tier, vllm_plugin
 from pdserve.worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ def cpu_default_args(user: list[str]) -> tuple[list[str], list[str]]:
     return args, why
 
 
+# Seconds an engine process sleeps between looks at vLLM's message queue (see vllm_plugin).
+ENGINE_SPIN_PAUSE_S = "0.0002"
 # Memory allocators an engine may already have been given in LD_PRELOAD: the user's choice stands.
 PRELOADED_ALLOCATORS = ("libtcmalloc", "libjemalloc")
 # Where tcmalloc's shared library lives (Debian/Ubuntu: libtcmalloc-minimal4; RHEL: gperftools).
@@ -107,6 +109,10 @@ def apply_environment(settings: WorkerSettings) -> None:
         if preload:
             os.environ["LD_PRELOAD"] = preload
         (log.info if ok else log.warning)("engine default %s", why)
+        # vllm_plugin: the engine's processes pause instead of spinning while they wait for
+        # each other (set the variable empty to spin as vLLM does).
+        pause = os.environ.setdefault(vllm_plugin.PAUSE_ENV, ENGINE_SPIN_PAUSE_S)
+        log.info("engine default %s=%s", vllm_plugin.PAUSE_ENV, pause)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores

@@ -1,0 +1,73 @@
+"""pdserve's vLLM plugin: engine processes pause instead of spinning on the message queue."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from vllm.distributed.device_communicators import shm_broadcast
+
+from pdserve.worker import vllm_plugin
+
+
+class _Reader:
+    """The state SpinCondition.wait reads (a real one needs zmq sockets)."""
+
+    def __init__(self, last_read: float, busy_loop_s: float = 1.0) -> None:
+        self.last_read, self.busy_loop_s = last_read, busy_loop_s
+
+
+@pytest.fixture
+def condition(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """SpinCondition with vLLM's wait replaced by a recorder, restored after the test."""
+    calls: list[int | None] = []
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", lambda self, t=None: calls.append(t))
+    monkeypatch.delattr(shm_broadcast.SpinCondition, "_pdserve_pause_s", raising=False)
+    shm_broadcast.SpinCondition.vllm_calls = calls  # type: ignore[attr-defined]
+    yield shm_broadcast.SpinCondition
+    monkeypatch.delattr(shm_broadcast.SpinCondition, "_pdserve_pause_s", raising=False)
+    del shm_broadcast.SpinCondition.vllm_calls  # type: ignore[attr-defined]
+
+
+def test_without_the_setting_vllm_is_left_as_it_is(
+    condition: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv(vllm_plugin.PAUSE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(vllm_plugin.PAUSE_ENV, value)
+        wait = condition.wait
+        vllm_plugin.register()
+        assert condition.wait is wait
+        assert not hasattr(condition, "_pdserve_pause_s")
+
+
+def test_in_the_busy_period_a_reader_sleeps_instead_of_spinning(
+    condition: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "0.02")
+    vllm_plugin.register()
+    started = time.monotonic()
+    condition.wait(_Reader(last_read=started), 100)
+    assert time.monotonic() - started >= 0.015  # slept, instead of yielding and returning
+    assert condition.vllm_calls == []
+
+
+def test_past_the_busy_period_vllms_own_wait_runs(
+    condition: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "5")
+    vllm_plugin.register()
+    started = time.monotonic()
+    condition.wait(_Reader(last_read=started - 2.0), 100)
+    assert time.monotonic() - started < 1.0  # no 5 s pause
+    assert condition.vllm_calls == [100]
+
+
+def test_the_plugin_is_registered_with_vllm() -> None:
+    from importlib.metadata import entry_points
+
+    names = {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert "pdserve.worker.vllm_plugin:register" in names
