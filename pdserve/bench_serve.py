@@ -196,7 +196,7 @@ def monolith_argv(
 def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
     from pdserve.placement import detect_gpus, format_cores, usable_cores
     from pdserve.worker.config import WorkerSettings
-    from pdserve.worker.engine import cpu_preload, find_tcmalloc
+    from pdserve.worker.engine import preload_tcmalloc
 
     port = args.port + 5
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or detect_gpus()
@@ -212,9 +212,7 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
         env |= {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
                 "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores)}  # fmt: skip
         # The allocator pdserve's engines get (tcmalloc), as vLLM's CPU guide asks.
-        preload = cpu_preload(env.get("LD_PRELOAD", ""), find_tcmalloc())[0]
-        if preload:
-            env["LD_PRELOAD"] = preload
+        preload_tcmalloc(env)
         where, timeout_s = f"cores {format_cores(cores)}", 900
     log = out / "vllm-serve.log"
     print(f"  starting monolithic vllm serve on {where} (log {log})")

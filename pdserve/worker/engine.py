@@ -15,6 +15,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,6 +95,15 @@ def cpu_preload(current: str, tcmalloc: str) -> tuple[str, str, bool]:
     return preload, f"LD_PRELOAD {tcmalloc}: tcmalloc, as vLLM asks for on the CPU", True
 
 
+def preload_tcmalloc(env: MutableMapping[str, str]) -> tuple[str, bool]:
+    """Set ``env``'s LD_PRELOAD as ``cpu_preload`` says for this machine; its line and whether
+    it is as it should be (a worker's own environment, or a benchmarked ``vllm serve``'s)."""
+    preload, why, ok = cpu_preload(env.get("LD_PRELOAD", ""), find_tcmalloc())
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return why, ok
+
+
 def has_gpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -105,9 +115,7 @@ def apply_environment(settings: WorkerSettings) -> None:
     os.environ["PYTHONHASHSEED"] = str(settings.hash_seed)
     if not has_gpu():
         # The engine-core and model-runner processes are spawned, so they start with it.
-        preload, why, ok = cpu_preload(os.environ.get("LD_PRELOAD", ""), find_tcmalloc())
-        if preload:
-            os.environ["LD_PRELOAD"] = preload
+        why, ok = preload_tcmalloc(os.environ)
         (log.info if ok else log.warning)("engine default %s", why)
         # vllm_plugin: the engine's processes pause instead of spinning while they wait for
         # each other (set the variable empty to spin as vLLM does).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pdserve.worker.engine import cpu_preload, find_tcmalloc
+from pdserve.worker.engine import cpu_preload, find_tcmalloc, preload_tcmalloc
 
 TC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -50,3 +50,12 @@ def test_the_install_provides_tcmalloc() -> None:
     runs on it."""
     found = find_tcmalloc()
     assert found and os.path.exists(found)
+
+
+def test_preload_tcmalloc_sets_the_environment_it_is_given() -> None:
+    env = {"LD_PRELOAD": "/opt/libgomp.so.1"}
+    why, ok = preload_tcmalloc(env)
+    assert ok and env["LD_PRELOAD"] == f"{find_tcmalloc()}:/opt/libgomp.so.1"
+    assert find_tcmalloc() in why
+    kept = {"LD_PRELOAD": "/x/libjemalloc.so.2"}
+    assert preload_tcmalloc(kept)[1] and kept == {"LD_PRELOAD": "/x/libjemalloc.so.2"}
