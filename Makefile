@@ -52,19 +52,20 @@ $(STAMP): pyproject.toml Makefile $(KV_TIER_REQUIREMENTS)
 	@echo "==> installing LMCache for the KV tier (--no-deps: see $(KV_TIER_REQUIREMENTS))"
 	$(PIP) install -q --no-deps -r $(KV_TIER_REQUIREMENTS)
 	$(BIN)/python -m pdserve.lmcache_deps
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "==> installing redis-server (Debian package)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
-	@# tcmalloc, which vLLM asks for on the CPU: the workers preload it into their engines
+	@# Debian packages, each only when missing, in one apt-get step: redis-server, and tcmalloc,
+	@# which vLLM asks for on the CPU: the workers preload it into their engines
 	@# (pdserve.worker.engine.cpu_preload; faster prefill and decode: docs/benchmarks.md).
-	@ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || \
-	 ls /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { \
-	  echo "==> installing libtcmalloc-minimal4 (Debian package)"; \
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || \
+	  ls /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || \
+	  missing="$$missing libtcmalloc-minimal4"; \
+	if [ -n "$$missing" ]; then \
+	  echo "==> installing$$missing (Debian packages)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
 	@touch $@
 
 model: $(STAMP)
