@@ -194,12 +194,12 @@ def monolith_argv(
 
 @contextmanager
 def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
-    from pdserve.placement import detect_gpus, format_cores, usable_cores
+    from pdserve.placement import format_cores, gpus_to_use, usable_cores
     from pdserve.worker.config import WorkerSettings
     from pdserve.worker.engine import preload_tcmalloc
 
     port = args.port + 5
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or detect_gpus()
+    gpus = gpus_to_use(args.gpus)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "42"}
     if gpus:
         env["CUDA_VISIBLE_DEVICES"], where, timeout_s = gpus[0], f"GPU {gpus[0]}", 1800

@@ -94,6 +94,12 @@ def detect_gpus() -> list[str]:
     return parse_gpu_list(done.stdout) if done.returncode == 0 else []
 
 
+def gpus_to_use(listed: str) -> list[str]:
+    """The GPUs named in ``listed`` (comma-separated indices, as ``--gpus`` takes them), or
+    every GPU ``nvidia-smi`` shows when it names none."""
+    return [g.strip() for g in listed.split(",") if g.strip()] or detect_gpus()
+
+
 def usable_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))

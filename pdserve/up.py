@@ -30,7 +30,7 @@ from pydantic_settings import BaseSettings
 from pdserve import settings as shared
 from pdserve import up_gpu, up_tier
 from pdserve.backoff import Backoff
-from pdserve.placement import Placement, detect_gpus, place_engines, usable_cores
+from pdserve.placement import Placement, gpus_to_use, place_engines, usable_cores
 from pdserve.redis_server import RedisServerError, answers, free_port, server_command
 from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.supervisor import (
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
         return 2
-    gpus = [g.strip() for g in s.gpus.split(",") if g.strip()] if s.gpus else detect_gpus()
+    gpus = gpus_to_use(s.gpus)
     try:
         connector = up_gpu.connector_for(s.kv_connector, gpus)
     except up_gpu.ConnectorError as exc:

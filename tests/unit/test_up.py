@@ -14,7 +14,13 @@ from pydantic import ValidationError
 from pdserve import settings as shared
 from pdserve.backoff import Backoff
 from pdserve.cli import build_parser
-from pdserve.placement import assign_cpu_cores, format_cores, parse_gpu_list, place_engines
+from pdserve.placement import (
+    assign_cpu_cores,
+    format_cores,
+    gpus_to_use,
+    parse_gpu_list,
+    place_engines,
+)
 from pdserve.supervisor import ChildExitPolicy
 from pdserve.up import (
     UpSettings,
@@ -88,6 +94,13 @@ def test_parse_gpu_list_ignores_mig_lines() -> None:
     )
     assert parse_gpu_list(text) == ["0", "1"]
     assert parse_gpu_list("No devices were found\n") == []
+
+
+def test_gpus_named_win_over_detected_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: ["0", "1"])
+    assert gpus_to_use("2, 3") == ["2", "3"]
+    assert gpus_to_use("") == ["0", "1"], "none named: every GPU nvidia-smi shows"
+    assert gpus_to_use(" , ") == ["0", "1"], "a list naming none names none"
 
 
 def test_default_command_lines_on_two_cpu_cores() -> None:

@@ -193,7 +193,7 @@ def test_side_channel_ports_in_use_are_refused() -> None:
 def test_run_refuses_the_pdserve_connector_on_gpus(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("pdserve.up.detect_gpus", lambda: ["0"])
+    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: ["0"])
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert run(parser.parse_args(["--kv-connector", "pdserve"])) == 2
@@ -222,7 +222,7 @@ def test_side_channel_host_is_the_advertised_address() -> None:
 def test_gpus_given_are_used_instead_of_detected_ones(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("pdserve.up.detect_gpus", lambda: [])
+    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: [])
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert run(parser.parse_args(["--gpus", "2, 3", "--kv-connector", "pdserve"])) == 2
