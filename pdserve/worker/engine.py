@@ -14,12 +14,11 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.worker import kv_tier, vllm_plugin
+from pdserve.worker import kv_tier, owned_dirs, vllm_plugin
 from pdserve.worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -177,8 +176,9 @@ def check_connector(settings: WorkerSettings) -> None:
 
 
 def private_dir(prefix: str) -> str:
-    """A new directory only this worker uses, removed when it exits."""
-    path = tempfile.mkdtemp(prefix=prefix)
+    """A new directory only this worker uses, removed when it exits (or, if it is killed, by
+    the next worker that makes one: ``owned_dirs.make``)."""
+    path = str(owned_dirs.make(prefix))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 

@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from pdserve.kvindex.hashing import MASK_64
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, PrefixIndex
+from pdserve.worker import owned_dirs
 from pdserve.worker.block_mirror import BlockMirror
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,12 @@ class EventEndpoints:
     @classmethod
     def private(cls) -> EventEndpoints:
         """Two ``ipc://`` endpoints in a new directory (mode 0700), removed by ``remove``
-        or, at the latest, when the endpoints are garbage or the process exits."""
+        or, at the latest, when the endpoints are garbage or the process exits (or, if it
+        is killed, by the next worker that makes one: ``owned_dirs.make``)."""
         base = tempfile.gettempdir()
         if len(base) > _MAX_DIR_CHARS:
             base = "/tmp"  # the directory made in it is private (0700)
-        directory = Path(tempfile.mkdtemp(prefix="pdserve-kv-", dir=base))
+        directory = owned_dirs.make("pdserve-kv-", base)
         endpoints = cls(directory, f"ipc://{directory}/events", f"ipc://{directory}/replay")
         weakref.finalize(endpoints, shutil.rmtree, directory, True)
         return endpoints
