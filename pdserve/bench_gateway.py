@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pdserve import bench_gateway_tracing as tracing_bench
 from pdserve.bench_gateway_report import GATEWAY_PATHS, PATHS, build_report, minus, print_report
 from pdserve.bench_routing import wait_healthy
 from pdserve.machine import cpu_info, describe
-from pdserve.redis_server import RedisServer
+from pdserve.redis_server import RedisServer, free_ports
 
 if TYPE_CHECKING:
     from pdserve.bench_gateway_client import PathResult, Stream
@@ -77,12 +76,6 @@ def _ratio(text: str) -> float:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def prompt(i: int, words: int) -> list[dict[str, str]]:
     """The i-th stream's chat: a distinct ledger of about ``words`` words, then a question."""
     facts: list[str] = []
@@ -116,7 +109,7 @@ def start_gateway(
     log_path: str,
     env: dict[str, str],
 ) -> tuple[subprocess.Popen[bytes], int, int]:
-    http, grpc = _free_port(), _free_port()
+    http, grpc = free_ports(2)
     command = [
         sys.executable, "-m", "pdserve", "gateway", "--http-port", str(http),
         "--grpc-port", str(grpc), "--prefill-workers", f"127.0.0.1:{ports['prefill']}",
@@ -146,6 +139,9 @@ class Stack:
     fakes_pid: int
 
 
+GATEWAY_ATTEMPTS = 3  # gateway starts tried, each on fresh ports
+
+
 def start_stack(
     args: argparse.Namespace, arm: str, env: dict[str, str], redis_url: str, logs: str
 ) -> Stack:
@@ -155,9 +151,18 @@ def start_stack(
         fakes, ports = start_fakes(args, env)
         stack.processes.append(fakes)
         log = os.path.join(logs, "gateway.log" if args.tracing == "off" else f"gateway-{arm}.log")
-        gateway, http, grpc = start_gateway(args, ports, redis_url, log, env)
-        stack.processes.append(gateway)
-        wait_healthy(f"http://127.0.0.1:{http}", prefill=1, timeout_s=120)
+        for attempt in range(1, GATEWAY_ATTEMPTS + 1):
+            gateway, http, grpc = start_gateway(args, ports, redis_url, log, env)
+            stack.processes.append(gateway)
+            try:
+                wait_healthy(f"http://127.0.0.1:{http}", prefill=1, up=gateway, timeout_s=120)
+                break
+            except RuntimeError:
+                if gateway.poll() is None or attempt == GATEWAY_ATTEMPTS:
+                    raise
+                # It exited: another process took a port it was given between the choice
+                # and its bind. Again on fresh ports.
+                stack.processes.remove(gateway)
     except BaseException:
         _stop(list(reversed(stack.processes)))
         raise

@@ -28,9 +28,21 @@ class RedisServerError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` different loopback ports free now. All are held until all are chosen: ports
+    chosen one after another can repeat (a make test run once gave a gateway the same port
+    for HTTP and gRPC)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def server_command(port: int, maxmemory_bytes: int | None = None) -> list[str]:

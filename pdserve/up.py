@@ -31,7 +31,7 @@ from pdserve import settings as shared
 from pdserve import up_gpu, up_tier
 from pdserve.backoff import Backoff
 from pdserve.placement import Placement, gpus_to_use, place_engines, usable_cores
-from pdserve.redis_server import RedisServerError, answers, free_port, server_command
+from pdserve.redis_server import RedisServerError, answers, free_ports, server_command
 from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.supervisor import (
     ChildExitPolicy,
@@ -278,12 +278,13 @@ def private_redis_specs(s: UpSettings) -> tuple[UpSettings, list[ChildSpec]]:
     --kv-tier redis without --kv-tier-url), and ``s`` with their URLs filled in. Raises
     ``RedisServerError`` when redis-server is not installed."""
     specs: list[ChildSpec] = []
+    ports = iter(free_ports(2))  # different ones: chosen one after another they can repeat
     if not s.redis_url:
-        port = free_port()
+        port = next(ports)
         specs.append(redis_spec(port))
         s = s.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
     if up_tier.private_redis(s.kv_tier, s.kv_tier_url):
-        port = free_port()
+        port = next(ports)
         limit = up_tier.maxmemory_bytes(s.kv_tier_redis_gib)
         specs.append(redis_spec(port, "tier-redis", limit))
         s = s.model_copy(update={"kv_tier_url": f"redis://127.0.0.1:{port}/0"})

@@ -3,12 +3,20 @@ all three paths. Checks the result's shape and sanity, never its speed."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import pytest
+
+from pdserve import bench_gateway
+from pdserve.redis_server import free_ports
 from tests.helpers import model_dir
 
 PATHS = ("direct_grpc", "gateway_http", "gateway_grpc")
@@ -95,3 +103,30 @@ def test_bench_gateway_tracing_compare(tmp_path: Path) -> None:
         "bench-on-gateway": 6 * requests, "bench-on-fake-workers": 2 * requests
     }  # fmt: skip
     assert "on/off" in done.stdout and "spans received from the tracing-on" in done.stdout
+
+
+def test_a_gateway_port_taken_before_it_binds_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race a make test run once lost: the gateway's port was taken between the choice
+    and its bind; the gateway exits, and the stack starts it again on fresh ports."""
+    parser = argparse.ArgumentParser()
+    bench_gateway.add_arguments(parser)
+    args = parser.parse_args(["--model", model_dir(), "--tokens", "2", "--interval-ms", "5"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        picks = iter([[free_ports(1)[0], taken_port]])  # first: gRPC on a taken port
+        monkeypatch.setattr(
+            bench_gateway, "free_ports", lambda n: next(picks, None) or free_ports(n)
+        )
+        stack = bench_gateway.start_stack(args, "off", dict(os.environ), "", str(tmp_path))
+    try:
+        assert stack.targets["grpc"] != f"127.0.0.1:{taken_port}"
+        assert len(stack.processes) == 2, "the fake workers and the one gateway that runs"
+        assert "Failed to bind" in (tmp_path / "gateway.log").read_text(), "the first one exited"
+        with urllib.request.urlopen(stack.targets["http"] + "/health", timeout=10) as answer:
+            assert json.loads(answer.read())["healthy_decode_workers"] == 1
+    finally:
+        bench_gateway._stop(list(reversed(stack.processes)))

@@ -12,7 +12,14 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from pdserve.redis_server import RedisServer, RedisServerError, answers, free_port, server_command
+from pdserve.redis_server import (
+    RedisServer,
+    RedisServerError,
+    answers,
+    free_port,
+    free_ports,
+    server_command,
+)
 
 
 @contextmanager
@@ -22,6 +29,13 @@ def squatter(port: int) -> Iterator[socket.socket]:
         sock.bind(("127.0.0.1", port))
         sock.listen()
         yield sock
+
+
+def test_ports_chosen_together_differ() -> None:
+    """Chosen one after another, two ports can repeat (a gateway once got the same port for
+    HTTP and gRPC); chosen together they cannot."""
+    ports = free_ports(32)
+    assert len(set(ports)) == 32
 
 
 def test_a_chosen_port_taken_before_the_server_binds_it_is_replaced() -> None:
