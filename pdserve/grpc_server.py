@@ -61,9 +61,13 @@ class GrpcServer:
     async def start(self, serving: bool = True) -> int:
         """Bind and start; health reports ``serving`` from the first request on."""
         await self.set_serving(serving)
-        self.port = self.server.add_insecure_port(self.address)
+        try:
+            # grpcio raises RuntimeError("Failed to bind ...") where older ones returned 0.
+            self.port = self.server.add_insecure_port(self.address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC server to {self.address}")
+            raise OSError(f"cannot bind gRPC server to {self.address}: is the port in use?")
         await self.server.start()
         return self.port
 

@@ -143,12 +143,15 @@ def free_port() -> int:
     return free_port_run(1)
 
 
-def free_port_run(n: int) -> int:
-    """The first of ``n`` consecutive loopback ports free now, outside the ephemeral range."""
-    ports = listen_ports()
+def free_port_run(n: int, taken: set[int] | None = None) -> int:
+    """The first of ``n`` consecutive loopback ports free now, outside the ephemeral range and
+    not in ``taken`` (those picked already for the same cluster; they are added to it)."""
+    ports, taken = listen_ports(), taken if taken is not None else set()
     for _ in range(500):
         first = random.randrange(ports.start, ports.stop - n)
-        if all(not _port_open(first + i) and _bindable(first + i) for i in range(n)):
+        run = range(first, first + n)
+        if all(p not in taken and not _port_open(p) and _bindable(p) for p in run):
+            taken.update(run)
             return first
     raise RuntimeError(f"no {n} consecutive free ports found in {ports}")
 
@@ -204,10 +207,11 @@ def cluster(
 def _start_up(
     log_dir: Path, otlp_endpoint: str
 ) -> tuple[dict[str, int], subprocess.Popen[bytes], Any, RealCluster]:
-    ports = {name: free_port() for name in ("http", "grpc")}
-    ports["prefill"] = free_port_run(PREFILL_WORKERS)
-    ports["decode"] = free_port_run(DECODE_WORKERS)
-    ports["kv"] = free_port_run(PREFILL_WORKERS)
+    taken: set[int] = set()  # each port once: a server given another's port cannot bind it
+    ports = {name: free_port_run(1, taken) for name in ("http", "grpc")}
+    ports["prefill"] = free_port_run(PREFILL_WORKERS, taken)
+    ports["decode"] = free_port_run(DECODE_WORKERS, taken)
+    ports["kv"] = free_port_run(PREFILL_WORKERS, taken)
     log_dir.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "pdserve", "up", "--prefill", str(PREFILL_WORKERS),
