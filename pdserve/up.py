@@ -301,8 +301,8 @@ def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
     )
 
 
-def busy_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
-    """Ports of the cluster that something already listens on (e.g. a previous ``up``)."""
+def cluster_ports(s: UpSettings, connector: str = "pdserve") -> list[tuple[str, int]]:
+    """(host, port) of every server of the cluster."""
     wanted = [(s.host, s.http_port), (s.host, s.grpc_port)]
     wanted += [("127.0.0.1", s.prefill_port + i) for i in range(s.prefill)]
     wanted += [("127.0.0.1", s.decode_port + i) for i in range(s.decode)]
@@ -311,8 +311,20 @@ def busy_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
         wanted += [("127.0.0.1", port) for port in (*prefill_ports, *decode_ports)]
     else:
         wanted += [("127.0.0.1", s.kv_port + i) for i in range(s.prefill)]
+    return wanted
+
+
+def shared_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
+    """Ports given to more than one of the cluster's servers (each of N workers takes its
+    option's port + 0 .. N-1): the second server could never bind its port."""
+    ports = [port for _, port in cluster_ports(s, connector)]
+    return sorted({port for port in ports if port and ports.count(port) > 1})  # 0: any
+
+
+def busy_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
+    """Ports of the cluster that something already listens on (e.g. a previous ``up``)."""
     busy = []
-    for host, port in wanted:
+    for host, port in cluster_ports(s, connector):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             # As servers do: a port held only by TIME_WAIT connections is free.
@@ -376,6 +388,13 @@ def run(args: argparse.Namespace) -> int:
         connector = up_gpu.connector_for(s.kv_connector, gpus)
     except up_gpu.ConnectorError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    twice = shared_ports(s, connector)
+    if twice:
+        ports = ", ".join(map(str, twice))
+        print(f"pdserve up: port(s) {ports} given to more than one server (workers take their "
+              "option's port + 0, 1, ...: --prefill-port, --decode-port, --kv-port)",
+              file=sys.stderr)  # fmt: skip
         return 2
     busy = busy_ports(s, connector)
     if busy:

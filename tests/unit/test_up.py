@@ -30,6 +30,7 @@ from pdserve.up import (
     redis_spec,
     run,
     served_model_name,
+    shared_ports,
     supervisor_options,
 )
 
@@ -230,6 +231,19 @@ def test_run_refuses_ports_in_use(capsys: pytest.CaptureFixture[str]) -> None:
         assert run(argparse.Namespace(http_port=port)) == 1
     err = capsys.readouterr().err  # other default ports may be busy too (a running cluster)
     assert f"port(s) {port}" in err and "in use" in err
+
+
+def test_run_refuses_a_port_given_to_two_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before anything starts: the second server could never bind it."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    # Two decode workers take 9130 and 9131; the KV port 9131 is the second one's.
+    argv = ["--decode", "2", "--decode-port", "9130", "--kv-port", "9131", "--prefill-port",
+            "9120", "--http-port", "9100", "--grpc-port", "9101"]  # fmt: skip
+    assert run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert "port(s) 9131 given to more than one server" in err
+    assert shared_ports(parse(*argv[:4])) == [], "the defaults never overlap"
 
 
 def test_served_model_name() -> None:
