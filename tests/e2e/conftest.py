@@ -137,15 +137,11 @@ def listen_ports() -> range:
     return range(10000, max(low, 12000))
 
 
-def free_port() -> int:
-    """A loopback port free now, outside the ephemeral range. ``pdserve up`` takes its ports
-    as arguments, so they are chosen before its children bind them."""
-    return free_port_run(1)
-
-
 def free_port_run(n: int, taken: set[int] | None = None) -> int:
     """The first of ``n`` consecutive loopback ports free now, outside the ephemeral range and
-    not in ``taken`` (those picked already for the same cluster; they are added to it)."""
+    not in ``taken`` (those picked already for the same cluster; they are added to it).
+    ``pdserve up`` takes its ports as arguments, so they are chosen before its children bind
+    them."""
     ports, taken = listen_ports(), taken if taken is not None else set()
     for _ in range(500):
         first = random.randrange(ports.start, ports.stop - n)
