@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_transfer import bench
 from pdserve.grpc_server import GrpcServer
+from pdserve.redis_server import free_port
 from tests.integration.test_kv_transport import GEO, next_message
 
 GRPC_CHILD = r"""
@@ -31,12 +32,6 @@ async def main():
     await asyncio.sleep(600)
 asyncio.run(main())
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def plain_bind_fails(port: int) -> bool:
