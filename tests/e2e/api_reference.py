@@ -40,6 +40,10 @@ def _result(out: Any) -> dict[str, Any]:
 def main() -> None:
     model, cases_path, out_path, dtype = sys.argv[1:5]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from pdserve.worker.engine import cpu_compile_env
+
+    # The workers' compiled graph (pdserve.worker.engine), from the same compile cache.
+    cpu_compile_env(os.environ)
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -47,7 +51,6 @@ def main() -> None:
     llm = LLM(
         model=model,
         dtype=dtype,
-        enforce_eager=True,
         gpu_memory_utilization=0.5,
         enable_prefix_caching=False,
     )

@@ -16,13 +16,16 @@ import sys
 def main() -> None:
     model, cases_path, out_path, dtype = sys.argv[1:5]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from pdserve.worker.engine import cpu_compile_env
+
+    # The workers' compiled graph (pdserve.worker.engine), from the same compile cache.
+    cpu_compile_env(os.environ)
     from vllm import LLM, SamplingParams, TokensPrompt
 
     # The e2e cluster's dtype (tests/e2e/cases.py DTYPE).
     llm = LLM(
         model=model,
         dtype=dtype,
-        enforce_eager=True,
         gpu_memory_utilization=0.5,
         enable_prefix_caching=False,
     )

@@ -46,11 +46,11 @@ def test_the_cluster_it_starts_is_1p1d_on_the_chosen_gpu(tmp_path: Path) -> None
 
 def test_the_monolith_on_a_gpu_has_no_cpu_arguments() -> None:
     gpu = bench_serve.monolith_argv("/m", "m", 9000, gpu=True, engine_args="--max-model-len 64")
-    assert "--enforce-eager" not in gpu and "--dtype" not in gpu
+    assert "--gpu-memory-utilization" not in gpu and "--dtype" not in gpu
     assert gpu[-3:] == ["--max-model-len", "64", "--disable-uvicorn-access-log"]
     assert "--enable-prefix-caching" in gpu, "the same common settings as pdserve's engines"
     cpu = bench_serve.monolith_argv("/m", "m", 9000)
-    assert "--enforce-eager" in cpu
+    assert "--gpu-memory-utilization" in cpu and "--dtype" in cpu
 
 
 def metrics_text(decode_counters: dict[str, float]) -> str:

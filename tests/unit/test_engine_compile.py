@@ -1,0 +1,36 @@
+"""A CPU engine runs its compiled graph by default, cached across starts; --enforce-eager
+in the user's engine arguments still turns compilation off."""
+
+from __future__ import annotations
+
+from pdserve.worker.engine import COMMON_DEFAULT_ARGS, cpu_compile_env, cpu_default_args
+
+
+def parsed(user: list[str]) -> bool:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="t"))
+    args = parser.parse_args(["--model", "m", *COMMON_DEFAULT_ARGS, *cpu_default_args(user)[0],
+                              *user])  # fmt: skip
+    return bool(args.enforce_eager)
+
+
+def test_the_default_is_the_compiled_graph_and_says_so() -> None:
+    args, why = cpu_default_args([])
+    assert "--enforce-eager" not in args
+    assert any("compiled" in line for line in why)
+    assert parsed([]) is False
+
+
+def test_the_users_enforce_eager_stands() -> None:
+    assert parsed(["--enforce-eager"]) is True
+
+
+def test_the_compile_cache_environment_keeps_what_is_set() -> None:
+    env: dict[str, str] = {}
+    cpu_compile_env(env)
+    assert env == {"VLLM_USE_AOT_COMPILE": "0"}
+    chosen = {"VLLM_USE_AOT_COMPILE": "1"}
+    cpu_compile_env(chosen)
+    assert chosen == {"VLLM_USE_AOT_COMPILE": "1"}
