@@ -196,7 +196,7 @@ def monolith_argv(
 def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iterator[str]:
     from pdserve.placement import format_cores, gpus_to_use, usable_cores
     from pdserve.worker.config import WorkerSettings
-    from pdserve.worker.engine import cpu_compile_env, preload_tcmalloc
+    from pdserve.worker.engine import cpu_engine_env
 
     port = args.port + 5
     gpus = gpus_to_use(args.gpus)
@@ -211,9 +211,9 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
         kv_gib = WorkerSettings.model_fields["kv_cache_gib"].default * engines
         env |= {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
                 "VLLM_CPU_OMP_THREADS_BIND": format_cores(cores)}  # fmt: skip
-        # The allocator pdserve's engines get (tcmalloc), as vLLM's CPU guide asks.
-        preload_tcmalloc(env)
-        cpu_compile_env(env)
+        # The environment pdserve's engines get: tcmalloc, as vLLM's CPU guide asks, and the
+        # compile cache.
+        cpu_engine_env(env)
         where, timeout_s = f"cores {format_cores(cores)}", 900
     log = out / "vllm-serve.log"
     print(f"  starting monolithic vllm serve on {where} (log {log})")

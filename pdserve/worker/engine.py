@@ -42,17 +42,6 @@ def cpu_dtype() -> tuple[str, str]:
     return "float32", "the CPU has no native bf16 kernels (no avx512_bf16/amx_bf16)"
 
 
-def cpu_default_args(user: list[str]) -> tuple[list[str], list[str]]:
-    """pdserve's CPU engine defaults and one line per choice saying why (``--engine-args``
-    overrides any of them: they come first on vLLM's command line)."""
-    args, why = list(CPU_DEFAULT_ARGS), [COMPILED_WHY]
-    if not any(a == "--dtype" or a.startswith("--dtype=") for a in user):
-        dtype, reason = cpu_dtype()
-        args += ["--dtype", dtype]
-        why.append(f"--dtype {dtype}: {reason}")
-    return args, why
-
-
 # vLLM compiles the model's graph (torch.compile) unless --enforce-eager is given. Measured with
 # ``pdserve bench engine --engines vllm`` on one core (docs/benchmarks.md): decode +17-25 %,
 # prefill +3-5 % against eager; the first start compiles for about a minute, later ones load
@@ -65,6 +54,18 @@ COMPILED_WHY = (
 # ("'function' object has no attribute 'finalize_loading'"), so with it every start compiles
 # again; without it, torch's compile cache serves the second start.
 COMPILE_CACHE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def cpu_default_args(user: list[str]) -> tuple[list[str], list[str]]:
+    """pdserve's CPU engine defaults and one line per choice saying why (``--engine-args``
+    overrides any of them: they come first on vLLM's command line)."""
+    args, why = list(CPU_DEFAULT_ARGS), [] if "--enforce-eager" in user else [COMPILED_WHY]
+    if not any(a == "--dtype" or a.startswith("--dtype=") for a in user):
+        dtype, reason = cpu_dtype()
+        args += ["--dtype", dtype]
+        why.append(f"--dtype {dtype}: {reason}")
+    return args, why
+
 
 # Seconds an engine process sleeps between looks at vLLM's message queue (see vllm_plugin).
 ENGINE_SPIN_PAUSE_S = "0.0002"
@@ -123,6 +124,14 @@ def cpu_compile_env(env: MutableMapping[str, str]) -> None:
         env.setdefault(name, value)
 
 
+def cpu_engine_env(env: MutableMapping[str, str]) -> tuple[str, bool]:
+    """The environment every CPU engine starts with, a worker's or a benchmarked ``vllm
+    serve``'s: tcmalloc preloaded and the compile cache kept. The allocator's line and whether
+    it is as it should be (``preload_tcmalloc``)."""
+    cpu_compile_env(env)
+    return preload_tcmalloc(env)
+
+
 def has_gpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -134,9 +143,10 @@ def apply_environment(settings: WorkerSettings) -> None:
     os.environ["PYTHONHASHSEED"] = str(settings.hash_seed)
     if not has_gpu():
         # The engine-core and model-runner processes are spawned, so they start with it.
-        why, ok = preload_tcmalloc(os.environ)
+        why, ok = cpu_engine_env(os.environ)
         (log.info if ok else log.warning)("engine default %s", why)
-        cpu_compile_env(os.environ)
+        for name in COMPILE_CACHE_ENV:
+            log.info("engine default %s=%s (the compiled graph is cached)", name, os.environ[name])
         # vllm_plugin: the engine's processes pause instead of spinning while they wait for
         # each other (set the variable empty to spin as vLLM does).
         pause = os.environ.setdefault(vllm_plugin.PAUSE_ENV, ENGINE_SPIN_PAUSE_S)

@@ -3,7 +3,12 @@ in the user's engine arguments still turns compilation off."""
 
 from __future__ import annotations
 
-from pdserve.worker.engine import COMMON_DEFAULT_ARGS, cpu_compile_env, cpu_default_args
+from pdserve.worker.engine import (
+    COMMON_DEFAULT_ARGS,
+    cpu_compile_env,
+    cpu_default_args,
+    cpu_engine_env,
+)
 
 
 def parsed(user: list[str]) -> bool:
@@ -25,6 +30,7 @@ def test_the_default_is_the_compiled_graph_and_says_so() -> None:
 
 def test_the_users_enforce_eager_stands() -> None:
     assert parsed(["--enforce-eager"]) is True
+    assert not any("compiled" in line for line in cpu_default_args(["--enforce-eager"])[1])
 
 
 def test_the_compile_cache_environment_keeps_what_is_set() -> None:
@@ -34,3 +40,12 @@ def test_the_compile_cache_environment_keeps_what_is_set() -> None:
     chosen = {"VLLM_USE_AOT_COMPILE": "1"}
     cpu_compile_env(chosen)
     assert chosen == {"VLLM_USE_AOT_COMPILE": "1"}
+
+
+def test_a_cpu_engine_gets_both_the_compile_cache_and_tcmalloc() -> None:
+    from pdserve.worker.engine import find_tcmalloc
+
+    env: dict[str, str] = {}
+    why, ok = cpu_engine_env(env)
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    assert ok and env["LD_PRELOAD"] == find_tcmalloc() and find_tcmalloc() in why
