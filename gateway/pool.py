@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
-from gateway.pairing import kv_compat_diff, pairing_problem
+from gateway.pairing import pairing_problem
 from gateway.prefill_pace import PrefillPace
 from pdserve.grpc_client import RpcCallError
 from pdserve.kvindex.interfaces import WorkerRecord
@@ -354,15 +354,13 @@ class WorkerPool:
                 if p.capabilities is None or d.capabilities is None:
                     continue
                 key = (p.address, d.address)
-                diff = kv_compat_diff(p.capabilities, d.capabilities)
                 why = pairing_problem(p.capabilities, d.capabilities)
                 if why and self._incompatible.get(key) != why:
                     log.error(
                         "refusing to pair prefill worker %s with decode worker %s: kv_compat "
-                        "differs in %s: %s; their requests take the local path",
+                        "differs: %s; their requests take the local path",
                         p.address,
                         d.address,
-                        diff,
                         why,
                     )
                 if why:

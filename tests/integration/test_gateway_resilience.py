@@ -86,7 +86,10 @@ async def test_incompatible_kv_compat_is_never_paired(caplog: pytest.LogCaptureF
     assert response.status_code == 200
     assert not prefill.seen.requests  # routed to the local path instead
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert any("['attention_isa', 'dtype']" in e and "refusing to pair" in e for e in errors)
+    refusals = [e for e in errors if "refusing to pair" in e]
+    assert len(refusals) == 1  # logged once, not at every health refresh
+    assert "attention_isa (prefill amx, decode" in refusals[0]
+    assert "dtype (prefill float16, decode" in refusals[0]
 
 
 async def test_round_robin_over_decode_workers_skips_dead_ones() -> None:
