@@ -151,14 +151,46 @@ def reference_texts(cluster: RealCluster, prompts: list[str], max_tokens: int) -
     return [s.text for s in streams]
 
 
+def restarts_back(cluster: RealCluster, name: str) -> int:
+    """How often ``pdserve up`` has said that ``name`` is back after a restart (the new
+    process passed its own readiness check)."""
+    out = (cluster.log_dir / "pdserve-up.out").read_text(errors="replace")
+    return len(re.findall(rf"^{re.escape(name)} is back: ", out, re.MULTILINE))
+
+
+@dataclass
+class Kills:
+    """Workers a test kills with ``kill -9``, and how to wait until they are all back."""
+
+    cluster: RealCluster
+    before: dict[str, int] = field(default_factory=dict)  # name -> restarts back at its kill
+
+    def kill(self, role: str, index: int) -> None:
+        name = f"{role}-{index}"
+        self.before.setdefault(name, restarts_back(self.cluster, name))
+        os.killpg(group_on_port(self.cluster.ports[role] + index), signal.SIGKILL)
+
+    def wait_back(self) -> None:
+        """Until ``pdserve up`` has each killed worker ready again and the gateway routes to
+        every worker. The gateway's view alone is not enough: until its next probe it still
+        counts a worker killed a moment ago as healthy, so the cluster looks whole while a
+        worker is down (the next test then found one prefill worker fewer than it broke)."""
+        for name, before in self.before.items():
+            wait_until(lambda n=name, b=before: restarts_back(self.cluster, n) > b,
+                       RECOVERY_S, f"pdserve up has {name} back")  # fmt: skip
+        self.before.clear()
+        wait_until(lambda: whole(self.cluster), RECOVERY_S, "the cluster is whole again")
+
+
 @contextmanager
-def restored(cluster: RealCluster) -> Iterator[None]:
-    """After the test, wait until ``pdserve up`` has every worker back (later tests need
-    the whole cluster)."""
+def restored(cluster: RealCluster) -> Iterator[Kills]:
+    """Kill workers through the yielded ``Kills``; after the test, wait until every one is
+    back (later tests need the whole cluster)."""
+    kills = Kills(cluster)
     try:
-        yield
+        yield kills
     finally:
-        wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole again")
+        kills.wait_back()
 
 
 def test_kill_decode_worker_mid_stream_migrates_every_stream(cluster: RealCluster) -> None:
@@ -170,7 +202,7 @@ def test_kill_decode_worker_mid_stream_migrates_every_stream(cluster: RealCluste
     long = 4 * MAX_TOKENS
     expected = reference_texts(cluster, PROMPTS, long)
     migrations = metric_sum(cluster, "pdserve_gateway_retries_total", 'kind="migration"')
-    with restored(cluster):
+    with restored(cluster) as kills:
         streams = start_streams(cluster, PROMPTS, long)
         wait_until(lambda: all(s.tokens >= 3 or s.done.is_set() for s in streams), RECOVERY_S,
                    "every stream has tokens")  # fmt: skip
@@ -180,7 +212,7 @@ def test_kill_decode_worker_mid_stream_migrates_every_stream(cluster: RealCluste
         # Streams not over when it dies (counted by completion, not by the chunks received:
         # the gateway may send several tokens in one chunk).
         unfinished = [s for s in on_victim if not s.done.is_set()]
-        os.killpg(group_on_port(cluster.ports["decode"] + index), signal.SIGKILL)
+        kills.kill("decode", index)
         wait_all(streams)
     for s, text in zip(streams, expected, strict=True):
         assert not s.error, s.error
@@ -194,10 +226,10 @@ def test_kill_prefill_worker_while_requests_stream(cluster: RealCluster) -> None
     """kill -9 of one of two prefill workers while 8 requests run: 8/8 complete, full length."""
     wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole")
     prompts = [f"{p} Answer number {i}." for i, p in enumerate(PROMPTS * 2)]
-    with restored(cluster):
+    with restored(cluster) as kills:
         streams = start_streams(cluster, prompts, 16)
         wait_until(lambda: any(s.headers for s in streams), RECOVERY_S, "a request is served")
-        os.killpg(group_on_port(cluster.ports["prefill"]), signal.SIGKILL)
+        kills.kill("prefill", 0)
         wait_all(streams)
         failed = [s for s in streams if s.error or s.finish != "length"]
         assert not failed, failed

@@ -10,8 +10,6 @@ restarted A from the tier again. Every answer is token-identical to a monolithic
 from __future__ import annotations
 
 import json
-import os
-import signal
 import urllib.request
 from typing import Any
 
@@ -19,7 +17,7 @@ import pytest
 
 from tests.e2e.cases import tier_cases
 from tests.e2e.conftest import RealCluster
-from tests.e2e.test_faults import RECOVERY_S, group_on_port, wait_until, whole
+from tests.e2e.test_faults import RECOVERY_S, Kills, wait_until, whole
 from tests.helpers import served_name
 
 CHUNK = 256  # the tier's chunk (workers' --kv-tier-chunk-tokens default)
@@ -39,15 +37,15 @@ def complete(cluster: RealCluster, case: dict[str, Any]) -> tuple[str, dict[str,
     return worker, out["usage"], out["choices"][0]["text"]
 
 
+def index(worker: str) -> int:
+    """The index of a worker named like "prefill-1"."""
+    return int(worker.rsplit("-", 1)[1])
+
+
 def retrieved_lines(cluster: RealCluster, worker: str) -> list[str]:
     """LMCache's own log lines of tier retrievals in the worker's log."""
     log = (cluster.log_dir / f"{worker}.log").read_text(errors="replace")
     return [line for line in log.splitlines() if "Retrieved" in line and "tokens" in line]
-
-
-def kill(cluster: RealCluster, worker: str) -> None:
-    index = int(worker.rsplit("-", 1)[1])
-    os.killpg(group_on_port(cluster.ports["prefill"] + index), signal.SIGKILL)
 
 
 @pytest.mark.fault
@@ -64,17 +62,18 @@ def test_a_prefix_is_computed_once_and_retrieved_from_the_tier_by_other_workers(
     in_tier = prompt_tokens // CHUNK * CHUNK
     assert in_tier >= 2 * CHUNK, "the prompt must span several whole chunks"
 
-    kill(cluster, a)  # A's own cache is gone; the tier still holds what A computed
+    kills = Kills(cluster)
+    kills.kill("prefill", index(a))  # A's own cache is gone; the tier still holds what A computed
     b, usage, text = complete(cluster, second)
     assert b.startswith("prefill-") and b != a, f"expected the other prefill worker, got {b}"
     assert usage["prompt_tokens_details"]["cached_tokens"] >= in_tier, usage
     assert text == reference[second["name"]]["text"]
     assert retrieved_lines(cluster, b), f"{b}'s log shows no tier retrieval"
 
-    wait_until(lambda: whole(cluster), RECOVERY_S, f"{a} is back, with an empty cache")
-    kill(cluster, b)
+    kills.wait_back()  # A is back, with an empty cache
+    kills.kill("prefill", index(b))
     again, usage, text = complete(cluster, third)
     assert again == a, f"expected the restarted {a}, got {again}"
     assert usage["prompt_tokens_details"]["cached_tokens"] >= in_tier, usage
     assert text == reference[third["name"]]["text"]
-    wait_until(lambda: whole(cluster), RECOVERY_S, f"{b} is back")
+    kills.wait_back()
