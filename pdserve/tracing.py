@@ -20,6 +20,7 @@ headers, vLLM's ``trace_headers``).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import time
@@ -261,7 +262,7 @@ class use:
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if self._token is None:
             return
-        _context.detach(self._token)
+        _detach(self._token)
         if exc is not None:
             fail(self.span, exc)
             self.span.end()
@@ -277,8 +278,22 @@ class _Current(_Step):
         return self.span
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        _context.detach(self._token)
+        _detach(self._token)
         super().__exit__(kind, exc, tb)
+
+
+def _detach(token: Any) -> None:
+    """Undo an ``attach``, unless the ``with`` ends in another context than it began in: a
+    server stream (an async generator) that its consumer abandoned is closed by asyncio in a
+    task of its own, where there is nothing to undo (OpenTelemetry's own ``detach`` logs
+    that as an error, with a traceback, on every cancelled stream)."""
+    if not isinstance(token, contextvars.Token):  # another OTEL_PYTHON_CONTEXT runtime
+        _context.detach(token)
+        return
+    try:
+        token.var.reset(token)
+    except ValueError:  # created in another context
+        pass
 
 
 def fail(span: Any, exc: BaseException | str) -> None:

@@ -4,6 +4,9 @@ context in and out (SDK in-memory exporter)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -124,3 +127,27 @@ def test_the_resource_hashes_as_the_sdks_once(spans: InMemorySpanExporter) -> No
     assert "telemetry.sdk.version" in fixed.attributes  # Resource.create's own attributes
     assert hash(fixed) == hash(plain) and fixed == plain and {plain: 1}[fixed] == 1
     assert resource({"a": 1}) != resource({"a": 2})
+
+
+def test_a_streaming_span_closed_in_another_context_ends_quietly(
+    spans: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server stream (an async generator) holds its span current across yields; when its
+    consumer goes away, asyncio closes it later in a task of its own, another context. The
+    span still ends, and nothing is logged as an error ("Failed to detach context")."""
+
+    async def stream() -> Any:
+        with tracing.span("Decode", kind="server"):
+            for n in range(3):
+                yield n
+
+    async def consume_one_and_leave() -> None:
+        gen = stream()
+        assert await anext(gen) == 0
+        # Closed the way asyncio closes an abandoned generator: from a task of its own.
+        await asyncio.create_task(gen.aclose(), context=contextvars.Context())
+
+    asyncio.run(consume_one_and_leave())
+    (decode,) = spans.get_finished_spans()
+    assert decode.name == "Decode" and decode.end_time is not None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
