@@ -58,3 +58,11 @@ class WorkerService:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        # Once is enough. vLLM's AsyncLLM.__del__ shuts down again when the object is freed,
+        # at interpreter exit, after the module globals that its shutdown calls are gone: a
+        # TypeError traceback in the log of every stopped worker.
+        setattr(self.engine, "shutdown", _already_shut_down)  # noqa: B010
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """An engine's ``shutdown`` after the first."""
