@@ -165,10 +165,11 @@ class Kills:
     cluster: RealCluster
     before: dict[str, int] = field(default_factory=dict)  # name -> restarts back at its kill
 
-    def kill(self, role: str, index: int) -> None:
-        name = f"{role}-{index}"
+    def kill(self, name: str) -> None:
+        """Kill the worker ``name`` (e.g. "decode-1", as the response headers name it)."""
+        role, index = name.rsplit("-", 1)
         self.before.setdefault(name, restarts_back(self.cluster, name))
-        os.killpg(group_on_port(self.cluster.ports[role] + index), signal.SIGKILL)
+        os.killpg(group_on_port(self.cluster.ports[role] + int(index)), signal.SIGKILL)
 
     def wait_back(self) -> None:
         """Until ``pdserve up`` has each killed worker ready again and the gateway routes to
@@ -207,12 +208,11 @@ def test_kill_decode_worker_mid_stream_migrates_every_stream(cluster: RealCluste
         wait_until(lambda: all(s.tokens >= 3 or s.done.is_set() for s in streams), RECOVERY_S,
                    "every stream has tokens")  # fmt: skip
         victim = streams[0].headers["x-pdserve-decode-worker"]  # e.g. "decode-1"
-        index = int(victim.rsplit("-", 1)[1])
         on_victim = [s for s in streams if s.headers.get("x-pdserve-decode-worker") == victim]
         # Streams not over when it dies (counted by completion, not by the chunks received:
         # the gateway may send several tokens in one chunk).
         unfinished = [s for s in on_victim if not s.done.is_set()]
-        kills.kill("decode", index)
+        kills.kill(victim)
         wait_all(streams)
     for s, text in zip(streams, expected, strict=True):
         assert not s.error, s.error
@@ -229,7 +229,7 @@ def test_kill_prefill_worker_while_requests_stream(cluster: RealCluster) -> None
     with restored(cluster) as kills:
         streams = start_streams(cluster, prompts, 16)
         wait_until(lambda: any(s.headers for s in streams), RECOVERY_S, "a request is served")
-        kills.kill("prefill", 0)
+        kills.kill("prefill-0")
         wait_all(streams)
         failed = [s for s in streams if s.error or s.finish != "length"]
         assert not failed, failed

@@ -37,11 +37,6 @@ def complete(cluster: RealCluster, case: dict[str, Any]) -> tuple[str, dict[str,
     return worker, out["usage"], out["choices"][0]["text"]
 
 
-def index(worker: str) -> int:
-    """The index of a worker named like "prefill-1"."""
-    return int(worker.rsplit("-", 1)[1])
-
-
 def retrieved_lines(cluster: RealCluster, worker: str) -> list[str]:
     """LMCache's own log lines of tier retrievals in the worker's log."""
     log = (cluster.log_dir / f"{worker}.log").read_text(errors="replace")
@@ -63,7 +58,7 @@ def test_a_prefix_is_computed_once_and_retrieved_from_the_tier_by_other_workers(
     assert in_tier >= 2 * CHUNK, "the prompt must span several whole chunks"
 
     kills = Kills(cluster)
-    kills.kill("prefill", index(a))  # A's own cache is gone; the tier still holds what A computed
+    kills.kill(a)  # A's own cache is gone; the tier still holds what A computed
     b, usage, text = complete(cluster, second)
     assert b.startswith("prefill-") and b != a, f"expected the other prefill worker, got {b}"
     assert usage["prompt_tokens_details"]["cached_tokens"] >= in_tier, usage
@@ -71,7 +66,7 @@ def test_a_prefix_is_computed_once_and_retrieved_from_the_tier_by_other_workers(
     assert retrieved_lines(cluster, b), f"{b}'s log shows no tier retrieval"
 
     kills.wait_back()  # A is back, with an empty cache
-    kills.kill("prefill", index(b))
+    kills.kill(b)
     again, usage, text = complete(cluster, third)
     assert again == a, f"expected the restarted {a}, got {again}"
     assert usage["prompt_tokens_details"]["cached_tokens"] >= in_tier, usage
