@@ -66,6 +66,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def sets_flag(args: list[str], flag: str) -> bool:
+    """Whether command-line ``args`` give ``flag`` (as ``--flag value`` or ``--flag=value``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def _scalar_type(annotation: Any) -> Any:
     """The type argparse should convert a flag with; strips Optional."""
     origin = get_origin(annotation)

@@ -22,6 +22,8 @@ import shlex
 from collections.abc import Sequence
 from typing import Literal
 
+from pdserve.settings import sets_flag
+
 ConnectorChoice = Literal["auto", "pdserve", "nixl"]
 DEFAULT_NIXL_PORT = 5600  # vLLM's own default (vllm/envs.py:1738-1741)
 # vLLM's default --gpu-memory-utilization for an engine that has the GPU to itself.
@@ -93,9 +95,7 @@ def starts_after(gpu_of_engine: Sequence[str | None]) -> list[int | None]:
 
 def sets_memory(engine_args: str) -> bool:
     """Whether the user's engine arguments choose ``--gpu-memory-utilization`` themselves."""
-    return any(
-        a == MEMORY_FLAG or a.startswith(MEMORY_FLAG + "=") for a in shlex.split(engine_args)
-    )
+    return sets_flag(shlex.split(engine_args), MEMORY_FLAG)
 
 
 def with_memory_share(engine_args: str, share: float | None) -> str:

@@ -58,6 +58,19 @@ def tokenizer() -> HfTokenizer:
     return HfTokenizer(model_dir())
 
 
+def cpu_engine_args(user: list[str], role: str = "") -> Any:
+    """vLLM's parse of the arguments a CPU engine of ``role`` gets (none: the monolith):
+    pdserve's defaults, then the user's, as ``pdserve.worker.engine`` orders them."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from pdserve.worker.engine import COMMON_DEFAULT_ARGS, cpu_default_args
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="t"))
+    defaults = [*COMMON_DEFAULT_ARGS, *cpu_default_args(user, role)[0]]
+    return parser.parse_args(["--model", "m", *defaults, *user])
+
+
 def served_name() -> str:
     return Path(model_dir()).name
 

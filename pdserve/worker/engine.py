@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.settings import sets_flag
 from pdserve.worker import kv_tier, owned_dirs, vllm_plugin
 from pdserve.worker.config import WorkerSettings
 
@@ -61,9 +62,9 @@ COMPILE_CACHE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 # decode together while the prefill engine waits: the two engines take turns instead of working
 # at once. One prompt's worth per step finishes prompts one by one in arrival order, and each
 # goes on to decode while the next is prefilled. Measured with ``pdserve bench serve
-# --workloads random`` on an AVX2 machine: throughput x0.69 -> x0.88 of the monolith, TTFT p50
-# 8.2 -> 3.3 s (docs/benchmarks.md). A CPU computes 512 tokens per step as fast per token as
-# 2,048, so nothing is lost on longer prompts.
+# --workloads random`` on an AVX2-only machine: throughput x0.69 -> x0.85-0.88 of the
+# monolith, TTFT p50 8.2 -> 3.3-3.6 s (docs/benchmarks.md). A 512-token prompt is one step
+# either way; what four steps cost a 2,048-token prompt against one is not measured alone.
 PREFILL_STEP_TOKENS = 512
 PREFILL_STEP_WHY = (
     f"--max-num-batched-tokens {PREFILL_STEP_TOKENS} (prefill): prompts finish one by one in "
@@ -71,20 +72,16 @@ PREFILL_STEP_WHY = (
 )
 
 
-def _given(user: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in user)
-
-
 def cpu_default_args(user: list[str], role: str = "") -> tuple[list[str], list[str]]:
     """pdserve's CPU engine defaults for a worker of ``role`` (none: the monolith) and one
     line per choice saying why (``--engine-args`` overrides any of them: they come first on
     vLLM's command line)."""
     args, why = list(CPU_DEFAULT_ARGS), [] if "--enforce-eager" in user else [COMPILED_WHY]
-    if not _given(user, "--dtype"):
+    if not sets_flag(user, "--dtype"):
         dtype, reason = cpu_dtype()
         args += ["--dtype", dtype]
         why.append(f"--dtype {dtype}: {reason}")
-    if role == "prefill" and not _given(user, "--max-num-batched-tokens"):
+    if role == "prefill" and not sets_flag(user, "--max-num-batched-tokens"):
         args += ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS)]
         why.append(PREFILL_STEP_WHY)
     return args, why

@@ -3,22 +3,12 @@ in the user's engine arguments still turns compilation off."""
 
 from __future__ import annotations
 
-from pdserve.worker.engine import (
-    COMMON_DEFAULT_ARGS,
-    cpu_compile_env,
-    cpu_default_args,
-    cpu_engine_env,
-)
+from pdserve.worker.engine import cpu_compile_env, cpu_default_args, cpu_engine_env
+from tests.helpers import cpu_engine_args
 
 
 def parsed(user: list[str]) -> bool:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="t"))
-    args = parser.parse_args(["--model", "m", *COMMON_DEFAULT_ARGS, *cpu_default_args(user)[0],
-                              *user])  # fmt: skip
-    return bool(args.enforce_eager)
+    return bool(cpu_engine_args(user).enforce_eager)
 
 
 def test_the_default_is_the_compiled_graph_and_says_so() -> None:

@@ -4,17 +4,12 @@ the user's --max-num-batched-tokens stands."""
 
 from __future__ import annotations
 
-from pdserve.worker.engine import COMMON_DEFAULT_ARGS, PREFILL_STEP_TOKENS, cpu_default_args
+from pdserve.worker.engine import PREFILL_STEP_TOKENS, cpu_default_args
+from tests.helpers import cpu_engine_args
 
 
 def step_tokens(user: list[str], role: str = "") -> int | None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="t"))
-    args = parser.parse_args(["--model", "m", *COMMON_DEFAULT_ARGS,
-                              *cpu_default_args(user, role)[0], *user])  # fmt: skip
-    return args.max_num_batched_tokens
+    return cpu_engine_args(user, role).max_num_batched_tokens
 
 
 def test_a_prefill_worker_steps_one_prompt_at_a_time_and_says_why() -> None:
