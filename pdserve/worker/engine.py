@@ -87,8 +87,10 @@ def cpu_default_args(user: list[str], role: str = "") -> tuple[list[str], list[s
     return args, why
 
 
-# Seconds an engine process sleeps between looks at vLLM's message queue (see vllm_plugin).
+# Seconds an engine process sleeps between looks at vLLM's message queue (see vllm_plugin):
+# at first, and at most once it has waited a while (an eighth of the time waited so far).
 ENGINE_SPIN_PAUSE_S = "0.0002"
+ENGINE_SPIN_PAUSE_MAX_S = "0.002"
 # Memory allocators an engine may already have been given in LD_PRELOAD: the user's choice stands.
 PRELOADED_ALLOCATORS = ("libtcmalloc", "libjemalloc")
 # Where tcmalloc's shared library lives (Debian/Ubuntu: libtcmalloc-minimal4; RHEL: gperftools).
@@ -170,7 +172,9 @@ def apply_environment(settings: WorkerSettings) -> None:
         # vllm_plugin: the engine's processes pause instead of spinning while they wait for
         # each other (set the variable empty to spin as vLLM does).
         pause = os.environ.setdefault(vllm_plugin.PAUSE_ENV, ENGINE_SPIN_PAUSE_S)
-        log.info("engine default %s=%s", vllm_plugin.PAUSE_ENV, pause)
+        longest = os.environ.setdefault(vllm_plugin.MAX_PAUSE_ENV, ENGINE_SPIN_PAUSE_MAX_S)
+        log.info("engine default %s=%s %s=%s", vllm_plugin.PAUSE_ENV, pause,
+                 vllm_plugin.MAX_PAUSE_ENV, longest)  # fmt: skip
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores

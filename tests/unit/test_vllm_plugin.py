@@ -14,6 +14,8 @@ from pdserve.worker import vllm_plugin
 class _Reader:
     """The state SpinCondition.wait reads (a real one needs zmq sockets)."""
 
+    _pdserve_since: float  # the plugin's: when the current wait began
+
     def __init__(self, last_read: float, busy_loop_s: float = 1.0) -> None:
         self.last_read, self.busy_loop_s = last_read, busy_loop_s
 
@@ -24,6 +26,7 @@ def condition(monkeypatch: pytest.MonkeyPatch) -> Any:
     calls: list[int | None] = []
     monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", lambda self, t=None: calls.append(t))
     monkeypatch.delattr(shm_broadcast.SpinCondition, "_pdserve_pause_s", raising=False)
+    monkeypatch.delenv(vllm_plugin.MAX_PAUSE_ENV, raising=False)
     shm_broadcast.SpinCondition.vllm_calls = calls  # type: ignore[attr-defined]
     yield shm_broadcast.SpinCondition
     monkeypatch.delattr(shm_broadcast.SpinCondition, "_pdserve_pause_s", raising=False)
@@ -55,6 +58,42 @@ def test_in_the_busy_period_a_reader_sleeps_instead_of_spinning(
     assert condition.vllm_calls == []
 
 
+def test_the_pause_grows_with_the_wait_up_to_the_longest(
+    condition: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "0.0002")
+    monkeypatch.setenv(vllm_plugin.MAX_PAUSE_ENV, "0.002")
+    vllm_plugin.register()
+    pauses: list[float] = []
+    monkeypatch.setattr(vllm_plugin.time, "sleep", pauses.append)
+    reader = _Reader(last_read=time.monotonic())
+    condition.wait(reader, 100)  # the first look after a read: the shortest pause
+    reader._pdserve_since -= 0.008  # 8 ms into the same wait: an eighth of it
+    condition.wait(reader, 100)
+    reader._pdserve_since -= 1.0  # a long wait: no more than the longest pause
+    condition.wait(reader, 100)
+    reader.last_read = time.monotonic()  # a read: the next wait starts short again
+    condition.wait(reader, 100)
+    assert pauses[0] == pauses[3] == 0.0002
+    assert pauses[1] == pytest.approx(0.001, rel=0.2)
+    assert pauses[2] == 0.002
+    assert condition.vllm_calls == []
+
+
+def test_without_a_longest_pause_it_stays_the_same(
+    condition: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "0.0002")
+    vllm_plugin.register()
+    pauses: list[float] = []
+    monkeypatch.setattr(vllm_plugin.time, "sleep", pauses.append)
+    reader = _Reader(last_read=time.monotonic())
+    condition.wait(reader, 100)
+    reader._pdserve_since -= 0.5
+    condition.wait(reader, 100)
+    assert pauses == [0.0002, 0.0002]
+
+
 def test_past_the_busy_period_vllms_own_wait_runs(
     condition: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -71,3 +110,25 @@ def test_the_plugin_is_registered_with_vllm() -> None:
 
     names = {e.value for e in entry_points(group="vllm.general_plugins")}
     assert "pdserve.worker.vllm_plugin:register" in names
+
+
+def test_a_cpu_worker_gives_its_engine_the_pauses_and_the_users_stand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from decode_service.config import DecodeSettings
+    from pdserve.worker import engine
+
+    monkeypatch.setattr(engine, "has_gpu", lambda: False)
+    for user in ({}, {vllm_plugin.PAUSE_ENV: "", vllm_plugin.MAX_PAUSE_ENV: "0.01"}):
+        monkeypatch.setattr(os, "environ", {**os.environ, **user})
+        for name in (vllm_plugin.PAUSE_ENV, vllm_plugin.MAX_PAUSE_ENV):
+            if name not in user:
+                os.environ.pop(name, None)
+        engine.apply_environment(DecodeSettings(worker_id="d"))
+        expected = user or {
+            vllm_plugin.PAUSE_ENV: engine.ENGINE_SPIN_PAUSE_S,
+            vllm_plugin.MAX_PAUSE_ENV: engine.ENGINE_SPIN_PAUSE_MAX_S,
+        }
+        assert {name: os.environ[name] for name in expected} == expected
