@@ -38,9 +38,9 @@ def register() -> None:
 
     condition: Any = shm_broadcast.SpinCondition
     first = getattr(condition, "_pdserve_pause_s", None) is None
-    condition._pdserve_pause_s = float(value)
+    shortest = condition._pdserve_pause_s = float(value)
     longest = os.environ.get(MAX_PAUSE_ENV, "")
-    condition._pdserve_max_pause_s = max(float(longest or value), float(value))
+    condition._pdserve_max_pause_s = max(float(longest), shortest) if longest else shortest
     if not first:
         return
     vllm_wait = condition.wait
