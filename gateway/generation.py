@@ -113,6 +113,7 @@ class Generation:
         self._feedback = route.feedback  # told how computing the routed prompt went
         self._decode_span: Any = tracing.NO_SPAN  # from a Decode call to its stream's end
         self._prefill_engine: common_pb2.EngineTimes | None = None
+        self._prefill_call_s = 0.0  # the answered prefill call's duration
         self._held: list[AnyWorker] = []
         for worker in (route.prefill, route.decode):
             if worker is not None:
@@ -276,7 +277,8 @@ class Generation:
             ok = True
         finally:
             worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)
-        self._metrics.prefill_seconds.observe(time.monotonic() - started)
+        self._prefill_call_s = time.monotonic() - started
+        self._metrics.prefill_seconds.observe(self._prefill_call_s)
         self._prefill_engine = response.engine if response.HasField("engine") else None
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)
@@ -537,7 +539,7 @@ class Generation:
             self._metrics.kv_seconds.observe(transfer.kv_transfer_seconds)
         engine = chunk.engine if chunk.HasField("engine") else None
         phases = self._metrics.phases(
-            self._prefill_engine if self.prefill else None, engine, transfer
+            self._prefill_engine if self.prefill else None, engine, transfer, self._prefill_call_s
         )
         self._end_decode_span(
             {

@@ -103,8 +103,9 @@ class GatewayMetrics:
         )
         self.phase_seconds = Histogram(
             "pdserve_gateway_phase_seconds",
-            "Where finished requests spent their time, by phase: queue (waiting in the "
-            "engines' queues), prefill (computing the prompt), transfer (pulling its KV "
+            "Where finished requests spent their time, by phase: queue (waiting before the "
+            "prompt is computed: the prefill call's time less the prefill engine's, and the "
+            "decode engine's queue), prefill (computing the prompt), transfer (pulling its KV "
             "blocks), decode (first to last token); from the workers' vLLM statistics.",
             ["phase"],
             buckets=_LATENCY_BUCKETS,
@@ -178,9 +179,10 @@ class GatewayMetrics:
         prefill: common_pb2.EngineTimes | None,
         decode: common_pb2.EngineTimes | None,
         transfer: common_pb2.TransferStats,
+        prefill_call_s: float = 0.0,
     ) -> dict[str, float]:
         """Record one finished request's phases (``phase_times``) and return them."""
-        times = phase_times(prefill, decode, transfer)
+        times = phase_times(prefill, decode, transfer, prefill_call_s)
         for phase, seconds in times.items():
             self.phase_seconds.labels(phase).observe(seconds)
         return times
@@ -193,10 +195,12 @@ def phase_times(
     prefill: common_pb2.EngineTimes | None,
     decode: common_pb2.EngineTimes | None,
     transfer: common_pb2.TransferStats,
+    prefill_call_s: float = 0.0,
 ) -> dict[str, float]:
     """Seconds of one finished request by phase: "transfer" when KV blocks were pulled;
     "queue", "prefill" and "decode" when the decode engine reported its times. ``prefill``:
-    the prefill engine's times (None on the local path)."""
+    the prefill engine's times (None on the local path); ``prefill_call_s``: how long the
+    gateway's prefill call took (0: not known)."""
     times: dict[str, float] = {}
     pulled = transfer.kv_transfer_seconds if transfer.kv_blocks_received else 0.0
     if pulled:
@@ -208,7 +212,10 @@ def phase_times(
     queue = max(0.0, decode.queue_seconds - pulled)
     computed = decode
     if prefill is not None:
-        queue += prefill.queue_seconds
+        # vLLM's queue time starts when its engine core reads the request, after the step it
+        # is running: a prompt sent while another is prefilled waits that long unseen.
+        # Whatever of the call was not computing the prompt was waiting for it.
+        queue += max(prefill.queue_seconds, prefill_call_s - prefill.prefill_seconds)
         computed = prefill
     times["queue"] = queue
     times["prefill"] = computed.prefill_seconds

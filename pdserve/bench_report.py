@@ -59,6 +59,11 @@ def summarize(raw: dict[str, Any], slo: Slo | None) -> dict[str, Any]:
     for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
         for q in PERCENTILES:
             row[f"{name}_p{q}_ms"] = percentile(values, q) * 1000.0
+    # Completed requests per second = requests in flight on average / mean E2E: whether a
+    # system is slower because each request takes longer or because fewer were in flight (a
+    # pipeline filling at the start and draining at the end).
+    row["e2e_mean_ms"] = sum(e2e) / len(e2e) * 1000.0 if e2e else math.nan
+    row["in_flight_mean"] = sum(e2e) / duration if duration > 0 else math.nan
     # The longest stall a stream saw: a monolith's prefill of a long prompt shows here even
     # when it is too rare to move p99.
     row["itl_max_ms"] = max(itl, default=math.nan) * 1000.0
@@ -92,6 +97,8 @@ COLUMNS = (
     ("max", "itl_max_ms", "{:.0f}"),
     ("E2E p50", "e2e_p50_ms", "{:.0f}"),
     ("p99", "e2e_p99_ms", "{:.0f}"),
+    ("mean", "e2e_mean_ms", "{:.0f}"),
+    ("in flight", "in_flight_mean", "{:.2f}"),
     ("failed", "failed", "{}"),
 )
 
@@ -120,7 +127,10 @@ def ratios(rows: list[dict[str, Any]], system: str, baseline: str) -> list[dict[
             continue
         entry: dict[str, Any] = {"workload": workload}
         entry["throughput"] = _div(ours["requests_per_s"], base["requests_per_s"])
-        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms"):
+        # throughput = in_flight x e2e_mean_better (see summarize)
+        entry["in_flight"] = _div(ours["in_flight_mean"], base["in_flight_mean"])
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
+                    "e2e_mean_ms"):  # fmt: skip
             entry[key.replace("_ms", "_better")] = _div(base[key], ours[key])
         out.append(entry)
     return out

@@ -390,9 +390,10 @@ def run(args: argparse.Namespace) -> int:
         print("  (matplotlib is not installed: no plots)")
     print(bench_report.table(report["rows"]))
     for r in report["ratios"]:
-        print(f"  {r['workload']}: pdserve/vllm throughput x{r['throughput']:.2f}; latency "
-              f"better by TTFT p99 x{r['ttft_p99_better']:.2f}, ITL p50 x{r['itl_p50_better']:.2f}"
-              f", ITL p99 x{r['itl_p99_better']:.2f}")  # fmt: skip
+        print(f"  {r['workload']}: pdserve/vllm throughput x{r['throughput']:.2f} (requests in "
+              f"flight x{r['in_flight']:.2f}, E2E mean better x{r['e2e_mean_better']:.2f}); "
+              f"latency better by TTFT p99 x{r['ttft_p99_better']:.2f}, ITL p50 "
+              f"x{r['itl_p50_better']:.2f}, ITL p99 x{r['itl_p99_better']:.2f}")  # fmt: skip
     print(f"results: {out / 'results.json'}; plots: {', '.join(p.name for p in plots) or '-'}")
     return 0
 

@@ -55,3 +55,24 @@ def test_default_slo_is_the_baselines_p90_and_ratios_say_who_is_better() -> None
     assert r["ttft_p99_better"] == pytest.approx(2.0)
     assert r["itl_p99_better"] == pytest.approx(2.0)
     assert "| w | pdserve |" in table(rows)
+
+
+def test_throughput_is_requests_in_flight_over_mean_e2e() -> None:
+    # Same requests, one system finishes them in half the time: twice the requests in flight
+    # on average, E2E the same, so its throughput gain is all "in flight".
+    slow = result([1.0] * 4, [[1.0, 1.0]] * 4)  # E2E 3 s each, 10 s run
+    fast = {**result([1.0] * 4, [[1.0, 1.0]] * 4), "duration": 5.0, "request_throughput": 0.8}
+    rows = [
+        {"workload": "w", "system": "pdserve", **summarize(fast, None)},
+        {"workload": "w", "system": "vllm", **summarize(slow, None)},
+    ]
+    assert rows[1]["e2e_mean_ms"] == pytest.approx(3000.0)
+    assert rows[1]["in_flight_mean"] == pytest.approx(1.2)  # 4 x 3 s in 10 s
+    for row in rows:
+        assert row["requests_per_s"] == pytest.approx(
+            row["in_flight_mean"] * 1000.0 / row["e2e_mean_ms"]
+        )
+    (r,) = ratios(rows, "pdserve", "vllm")
+    assert r["throughput"] == pytest.approx(2.0)
+    assert r["in_flight"] == pytest.approx(2.0) and r["e2e_mean_better"] == pytest.approx(1.0)
+    assert r["throughput"] == pytest.approx(r["in_flight"] * r["e2e_mean_better"])

@@ -17,6 +17,15 @@ def test_disaggregated_the_pull_leaves_the_decode_queue_and_the_prefill_engine_c
     assert times == pytest.approx({"transfer": 1.0, "queue": 0.75, "prefill": 2.0, "decode": 3.0})
 
 
+def test_a_prefill_call_that_waited_outside_the_engines_queue_counts_as_queue() -> None:
+    # Sent while another prompt's step ran: vLLM's queue time (0.5 s) starts only after that
+    # step, so 6 s of call for 2 s of computing means 4 s of waiting.
+    times = phase_times(PREFILL, DECODE, PULLED, prefill_call_s=6.0)
+    assert times == pytest.approx({"transfer": 1.0, "queue": 4.25, "prefill": 2.0, "decode": 3.0})
+    # A call no longer than the engine's own times keeps the engine's queue.
+    assert phase_times(PREFILL, DECODE, PULLED, prefill_call_s=2.1)["queue"] == pytest.approx(0.75)
+
+
 def test_local_the_decode_engine_computes_the_prompt() -> None:
     times = phase_times(None, DECODE, common_pb2.TransferStats())
     assert times == pytest.approx({"queue": 1.25, "prefill": 0.25, "decode": 3.0})
