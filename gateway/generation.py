@@ -276,9 +276,10 @@ class Generation:
                 span.set_attribute("pdserve.cached_tokens", response.cached_tokens)
             ok = True
         finally:
-            worker.pace.answered(tokens, ahead, time.monotonic() - started, ok)
-        self._prefill_call_s = time.monotonic() - started
-        self._metrics.prefill_seconds.observe(self._prefill_call_s)
+            elapsed = time.monotonic() - started
+            worker.pace.answered(tokens, ahead, elapsed, ok)
+        self._prefill_call_s = elapsed
+        self._metrics.prefill_seconds.observe(elapsed)
         self._prefill_engine = response.engine if response.HasField("engine") else None
         if self._predicted is not None:  # the prefill worker's cache vs the router's guess
             self._metrics.prediction(self._predicted, response.cached_tokens)

@@ -141,6 +141,14 @@ def _addresses(servers: dict[str, GrpcServer], role: str) -> list[str]:
     return [f"127.0.0.1:{servers[role].port}"] if role in servers else []
 
 
+def counted(metrics: str, name: str) -> float:
+    """A metric's value in a /metrics text (0 when not there yet)."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def parse_sse(body: str) -> list[Any]:
     """The events of an SSE body, each ``data:`` payload JSON-decoded ("[DONE]" kept as is).
 

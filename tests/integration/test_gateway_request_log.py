@@ -8,7 +8,6 @@ import asyncio
 import io
 import json
 import logging
-import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +21,7 @@ from gateway.request_log import FIELDS
 from pdserve import log as pdlog
 from pdserve.fake_worker import FakeDecode
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.helpers import gateway_cluster, served_name, tokenizer
+from tests.helpers import counted, gateway_cluster, served_name, tokenizer
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -81,7 +80,7 @@ async def test_an_ok_request_is_one_line_with_its_workers_tokens_and_phases(
         assert reply.status_code == 200, reply.text
         usage = reply.json()["usage"]
         metrics = (await http.get("/metrics")).text
-    call_s = float(re.search(r"^pdserve_gateway_prefill_seconds_sum (\S+)$", metrics, re.M)[1])
+    call_s = counted(metrics, "pdserve_gateway_prefill_seconds_sum")
     line = only(log.requests(), "edge-1")
     assert line["level"] == "INFO" and line["message"] == "request done"
     assert line["service"] == "gateway"

@@ -19,7 +19,7 @@ from pdserve.kvindex.hashing import block_hashes
 from pdserve.kvindex.interfaces import BlockOps, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.redis_server import RedisServer
-from tests.helpers import model_dir, served_name, tokenizer
+from tests.helpers import counted, model_dir, served_name, tokenizer
 
 BLOCK = 16  # the fakes' block size
 TIER_CHUNK = 2 * BLOCK
@@ -202,14 +202,6 @@ async def test_killing_redis_during_a_load_test_fails_no_request(
         errors = [line for line in metrics.splitlines()
                   if line.startswith("pdserve_gateway_prefix_index_errors_total")]  # fmt: skip
         assert errors and float(errors[0].split()[-1]) > 0
-
-
-def counted(metrics: str, name: str) -> float:
-    """A metric's value in a /metrics text (0 when not there yet)."""
-    for line in metrics.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    return 0.0
 
 
 async def tier_blocks(f: Fleet, hashes: list[int], expected: int) -> int:
