@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from gateway.config import GatewaySettings
 from gateway.server import GatewayServer
 from gateway.tokenizer import HfTokenizer
@@ -141,12 +143,22 @@ def _addresses(servers: dict[str, GrpcServer], role: str) -> list[str]:
     return [f"127.0.0.1:{servers[role].port}"] if role in servers else []
 
 
-def counted(metrics: str, name: str) -> float:
-    """A metric's value in a /metrics text (0 when not there yet)."""
+def counted(metrics: str, series: str) -> float:
+    """The sum of the samples in a /metrics text whose series is ``series``: a metric's name
+    (every label set of it), a name with its labels, or a name with its first labels (ending
+    in a comma). 0 when there is none yet."""
+    total = 0.0
     for line in metrics.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    return 0.0
+        rest = line[len(series) :] if line.startswith(series) else None
+        if rest is not None and (series.endswith(",") or rest[:1] in (" ", "{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def metrics_text(base_url: str) -> str:
+    """The gateway's /metrics page."""
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        return (await http.get("/metrics")).text
 
 
 def parse_sse(body: str) -> list[Any]:

@@ -15,8 +15,8 @@ import asyncio
 import httpx
 
 from pdserve.fake_worker import FakeDecode, FakePrefill, start_worker
-from tests.helpers import gateway_cluster, served_name
-from tests.integration.test_gateway_recovery import MAX_TOKENS, PROMPT, metric, stream_text
+from tests.helpers import counted, gateway_cluster, metrics_text, served_name
+from tests.integration.test_gateway_recovery import MAX_TOKENS, PROMPT, stream_text
 
 NIXL = "NixlConnector/14/pull/vllm-0.32.0"
 
@@ -40,7 +40,7 @@ async def test_a_nixl_handoff_is_not_given_to_a_second_decode_worker() -> None:
             retry_backoff_s=0.01,
         ) as c:
             out, finish, usage = await stream_text(c)
-            fallbacks = await metric(c, "pdserve_gateway_local_fallbacks_total")
+            metrics = await metrics_text(c.base_url)
             await asyncio.wait_for(failing.seen.aborted.wait(), 10)
     finally:
         await server.stop(0)
@@ -49,7 +49,8 @@ async def test_a_nixl_handoff_is_not_given_to_a_second_decode_worker() -> None:
     assert tried.HasField("kv_transfer_params")
     assert not retried.HasField("kv_transfer_params"), "computed locally, not read again"
     assert list(retried.prompt_token_ids) == PROMPT and out
-    assert 'reason="handoff_spent"} 1.0' in fallbacks
+    assert counted(metrics, "pdserve_gateway_local_fallbacks_total") == 1
+    assert counted(metrics, 'pdserve_gateway_local_fallbacks_total{reason="handoff_spent"}') == 1
     (released,) = failing.seen.releases
     assert released == (tried.request_id, tried.kv_transfer_params)
 

@@ -8,17 +8,9 @@ import asyncio
 import httpx
 
 from pdserve.fake_worker import FakeDecode, FakePrefill
-from tests.helpers import gateway_cluster
+from tests.helpers import counted, gateway_cluster
 
 BODY = {"prompt": "The same prompt every time", "max_tokens": 4}
-
-
-def counter(metrics: str, name: str) -> float:
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def test_queued_prefills_get_deadlines_that_follow_the_queue() -> None:
@@ -36,11 +28,11 @@ async def test_queued_prefills_get_deadlines_that_follow_the_queue() -> None:
     assert warm.status_code == 200
     assert [r.status_code for r in replies] == [200] * 4
     assert {r.headers["x-pdserve-prefill-worker"] for r in replies} == {"fake-role_prefill"}
-    assert counter(metrics, "pdserve_gateway_local_fallbacks_total") == 0
+    assert counted(metrics, "pdserve_gateway_local_fallbacks_total") == 0
     assert len(prefill.seen.requests) == 5  # every prompt computed once, by the prefill worker
-    assert counter(metrics, "pdserve_gateway_prefill_deadline_seconds_count") == 5
+    assert counted(metrics, "pdserve_gateway_prefill_deadline_seconds_count") == 5
     # The last of the four had three prompts ahead: its deadline was over the floor.
-    assert counter(metrics, 'pdserve_gateway_prefill_deadline_seconds_bucket{le="2.5"}') < 5
+    assert counted(metrics, 'pdserve_gateway_prefill_deadline_seconds_bucket{le="2.5"}') < 5
 
 
 async def test_saturated_decode_worker_gets_429_with_retry_after_counted() -> None:
@@ -61,6 +53,6 @@ async def test_saturated_decode_worker_gets_429_with_retry_after_counted() -> No
     assert refused.headers["retry-after"] == "3"
     assert "decode worker" in refused.json()["error"]["message"]
     assert after.status_code == 200
-    assert counter(metrics, 'pdserve_gateway_rejected_total{reason="decode_queue"}') == 1
-    assert counter(metrics, 'pdserve_gateway_requests_total{endpoint="completions",'
+    assert counted(metrics, 'pdserve_gateway_rejected_total{reason="decode_queue"}') == 1
+    assert counted(metrics, 'pdserve_gateway_requests_total{endpoint="completions",'
                    'outcome="overloaded",path="none"}') == 1  # fmt: skip

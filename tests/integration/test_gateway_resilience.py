@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
-from tests.helpers import dead_address, gateway_cluster, served_name
+from tests.helpers import dead_address, gateway_cluster, metrics_text, served_name
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
@@ -23,17 +23,12 @@ async def _chat(base_url: str, **extra: object) -> httpx.Response:
         )
 
 
-async def _metrics(base_url: str) -> str:
-    async with httpx.AsyncClient(base_url=base_url) as http:
-        return (await http.get("/metrics")).text
-
-
 async def test_prefill_worker_down_falls_back_to_local() -> None:
     async with gateway_cluster() as c:
         await c.servers["prefill"].stop(0)  # the pool still believes it is healthy
         first = await _chat(c.base_url)
         second = await _chat(c.base_url)
-        metrics = await _metrics(c.base_url)
+        metrics = await metrics_text(c.base_url)
         health = c.gateway.pool.prefill[0].healthy
     assert first.status_code == 200, first.text
     assert first.json()["choices"][0]["message"]["content"] == ANSWER
@@ -121,7 +116,7 @@ async def test_client_disconnect_mid_stream_cancels_decode() -> None:
         assert c.prefill is not None
         await asyncio.wait_for(c.prefill.seen.aborted.wait(), 5)
         await asyncio.wait_for(decode.seen.aborted.wait(), 5)
-        metrics = await _metrics(c.base_url)
+        metrics = await metrics_text(c.base_url)
     assert any(line.startswith("data: ") for line in received)
     (internal_id,) = {r.request_id for r in decode.seen.requests}
     assert internal_id != request_id
@@ -170,7 +165,7 @@ async def test_kv_transfer_failure_falls_back_to_local_on_the_same_decode_worker
         assert c.prefill is not None
         await asyncio.wait_for(c.prefill.seen.aborted.wait(), 5)
         healthy = c.gateway.pool.decode[0].healthy
-        metrics = await _metrics(c.base_url)
+        metrics = await metrics_text(c.base_url)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == ANSWER
     first, second = decode.seen.requests

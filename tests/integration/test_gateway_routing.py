@@ -19,7 +19,7 @@ from pdserve.kvindex.hashing import block_hashes
 from pdserve.kvindex.interfaces import BlockOps, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.redis_server import RedisServer
-from tests.helpers import counted, model_dir, served_name, tokenizer
+from tests.helpers import counted, metrics_text, model_dir, served_name, tokenizer
 
 BLOCK = 16  # the fakes' block size
 TIER_CHUNK = 2 * BLOCK
@@ -105,11 +105,6 @@ async def complete(url: str, prompt: list[int]) -> httpx.Response:
     body = {"model": served_name(), "prompt": prompt, "max_tokens": 4}
     async with httpx.AsyncClient(timeout=30) as client:
         return await client.post(url + "/v1/completions", json=body)
-
-
-async def metrics_text(url: str) -> str:
-    async with httpx.AsyncClient() as client:
-        return (await client.get(url + "/metrics")).text
 
 
 async def test_workers_are_discovered_ejected_and_admitted_while_running(
