@@ -1,9 +1,11 @@
 """Engine speed of pdserve's workers vs a bare vLLM engine, same settings, same cores.
 
-Three engines run one after another, each alone on ``--cores``:
+The engines run one after another, each alone on ``--cores``:
 
-- ``vllm``: a bare ``AsyncLLM`` built from exactly the engine arguments a pdserve worker gets
-  on this machine (``pdserve.worker.engine``), without the KV connector, driven in-process;
+- ``vllm``: a bare ``AsyncLLM`` built from exactly the engine arguments a pdserve worker of
+  each role in ``--engines`` gets on this machine (``pdserve.worker.engine``; the roles differ:
+  a CPU prefill worker computes at most 512 tokens a step), without the KV connector, driven
+  in-process: one bare engine per role (the prefill role's when no worker is listed);
 - ``prefill``: a real ``pdserve prefill`` worker (KV connector, transfer process, gRPC),
   driven over gRPC (each prefill's blocks are released right after);
 - ``decode``: a real ``pdserve decode`` worker, driven over gRPC without a hand-off.
@@ -11,7 +13,8 @@ Three engines run one after another, each alone on ``--cores``:
 Each is measured the same way: prefill tokens/s = prompt tokens / time to the first token of
 a fresh random prompt (median of ``--repeat``); decode tokens/s = tokens streamed by
 ``--batch`` concurrent requests after all of them had their first token / that time. The
-ratios worker/vllm are the per-engine overhead of pdserve (target: within 10%).
+ratios worker / bare engine of the same role are the per-engine overhead of pdserve (target:
+within 10%).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=64, help="tokens per decode request")
     parser.add_argument("--repeat", type=int, default=3, help="prefills measured per engine")
     parser.add_argument("--engines", default="vllm,prefill,decode", help="which, in order")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the engines this many times; report medians"
+    )
     parser.add_argument("--port", type=int, default=8800, help="worker gRPC port (+1: KV)")
     parser.add_argument("--json", default="", help="also write the results to this file")
 
@@ -92,11 +98,13 @@ def _bare_child(args: argparse.Namespace) -> dict[str, float]:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from decode_service.config import DecodeSettings
     from pdserve.model import resolve_model
     from pdserve.worker.engine import apply_environment, engine_args
     from prefill_service.config import PrefillSettings
 
-    settings = PrefillSettings.model_validate({"cpu_cores": args.cores})
+    role_settings = {"prefill": PrefillSettings, "decode": DecodeSettings}[args.role]
+    settings = role_settings.model_validate({"cpu_cores": args.cores})
     apply_environment(settings)
     engine_arguments = engine_args(settings, resolve_model(None))
     engine_arguments.kv_transfer_config = None
@@ -176,8 +184,8 @@ def _run_worker(role: str, args: argparse.Namespace, log: Path) -> dict[str, flo
         return asyncio.run(drive(process))
 
 
-def _run_bare(args: argparse.Namespace, log: Path, out: Path) -> dict[str, float]:
-    argv = [sys.executable, "-m", "pdserve.bench_engine", "--child-json", str(out),
+def _run_bare(args: argparse.Namespace, role: str, log: Path, out: Path) -> dict[str, float]:
+    argv = [sys.executable, "-m", "pdserve.bench_engine", "--child-json", str(out), "--role", role,
             "--cores", args.cores, "--prompt-tokens", str(args.prompt_tokens), "--batch",
             str(args.batch), "--output-tokens", str(args.output_tokens), "--repeat",
             str(args.repeat)]  # fmt: skip
@@ -189,34 +197,81 @@ def _run_bare(args: argparse.Namespace, log: Path, out: Path) -> dict[str, float
 
 
 def run(args: argparse.Namespace) -> int:
+    engines = _engines(args.engines)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-engine-"))
     info = machine.cpu_info()
     print(f"bench engine: {machine.describe(info)}; cores {args.cores}; logs in {work}")
-    results: dict[str, dict[str, float]] = {}
-    engines = [e for e in args.engines.split(",") if e]
-    for i, name in enumerate(engines, 1):
-        print(f"  [{i}/{len(engines)}] {name} engine: starting and measuring ...", flush=True)
-        if name == "vllm":
-            results[name] = _run_bare(args, work / "vllm.log", work / "vllm.json")
-        elif name in ("prefill", "decode"):
-            results[name] = _run_worker(name, args, work / f"{name}.log")
-        else:
-            raise SystemExit(f"unknown engine {name!r}: vllm, prefill or decode")
-        print(f"        {json.dumps({k: round(v, 1) for k, v in results[name].items()})}")
-    ratios = {}
-    bare = results.get("vllm", {})
-    for name in ("prefill", "decode"):
-        for key, value in results.get(name, {}).items():
-            if bare.get(key):
-                ratios[f"{name}_{key.removesuffix('_tokens_per_s')}"] = value / bare[key]
+    rounds: list[dict[str, Any]] = []
+    for r in range(1, args.rounds + 1):
+        results: dict[str, dict[str, float]] = {}
+        for i, name in enumerate(engines, 1):
+            print(f"  [{r}/{args.rounds}: {i}/{len(engines)}] {name} engine: starting and "
+                  "measuring ...", flush=True)  # fmt: skip
+            log = work / f"{name}-{r}.log"
+            if name.startswith("vllm_"):
+                role = name.removeprefix("vllm_")
+                results[name] = _run_bare(args, role, log, work / f"{name}-{r}.json")
+            else:
+                results[name] = _run_worker(name, args, log)
+            print(f"        {json.dumps({k: round(v, 1) for k, v in results[name].items()})}")
+        rounds.append({"results": results, "ratios": _ratios(results)})
+    ratios = _medians([one["ratios"] for one in rounds])
     for key, ratio in ratios.items():
-        print(f"  {key}: worker / bare vLLM = {ratio:.3f}")
-    splits = _splits(results.get("vllm", {}), args)
+        each = ", ".join(f"{one['ratios'][key]:.3f}" for one in rounds)
+        print(f"  {key}: worker / bare vLLM of its role = {ratio:.3f}"
+              + (f" (median of {each})" if len(rounds) > 1 else ""))  # fmt: skip
+    results = {name: _medians([one["results"][name] for one in rounds]) for name in engines}
+    splits = _splits(_bare_rates(results), args)
     report = {"machine": info, "cores": args.cores, "results": results, "ratios": ratios,
-              "splits": splits}  # fmt: skip
+              "splits": splits, "rounds": rounds}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each worker's rates over the bare engine's of its role."""
+    ratios = {}
+    for name in ("prefill", "decode"):
+        bare = results.get(f"vllm_{name}", {})
+        for key, value in results.get(name, {}).items():
+            if bare.get(key):
+                ratios[f"{name}_{key.removesuffix('_tokens_per_s')}"] = value / bare[key]
+    return ratios
+
+
+def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Key by key, the median over the rounds."""
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]} if rows else {}
+
+
+def _engines(listed: str) -> list[str]:
+    """``--engines`` with ``vllm`` as one bare engine per worker role listed (in the roles'
+    order; the prefill role's when none is), each named ``vllm_<role>``."""
+    names = [e for e in listed.split(",") if e]
+    unknown = set(names) - {"vllm", "prefill", "decode"}
+    if unknown:
+        raise SystemExit(f"unknown engine {sorted(unknown)[0]!r}: vllm, prefill or decode")
+    roles = [n for n in names if n != "vllm"] or ["prefill"]
+    expanded: list[str] = []
+    for name in names:
+        expanded += [f"vllm_{role}" for role in roles] if name == "vllm" else [name]
+    return list(dict.fromkeys(expanded))
+
+
+def _bare_rates(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The bare engine's rates for the split: prefill from the prefill role's engine and
+    decode from the decode role's, each from the other when only one ran."""
+    prefill = results.get("vllm_prefill") or results.get("vllm_decode") or {}
+    decode = results.get("vllm_decode") or prefill
+    rates = {}
+    if "prefill_tokens_per_s" in prefill:
+        rates["prefill_tokens_per_s"] = prefill["prefill_tokens_per_s"]
+    if "decode_tokens_per_s" in decode:
+        rates["decode_tokens_per_s"] = decode["decode_tokens_per_s"]
+    return rates
 
 
 def _splits(bare: dict[str, float], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -243,6 +298,7 @@ def _child_main() -> int:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     parser.add_argument("--child-json", required=True)
+    parser.add_argument("--role", choices=["prefill", "decode"], default="prefill")
     args = parser.parse_args()
     Path(args.child_json).write_text(json.dumps(_bare_child(args)))
     return 0

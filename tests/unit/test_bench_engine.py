@@ -1,0 +1,47 @@
+"""pdserve bench engine: which bare engines run, and which of their rates the split uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench_engine import _bare_rates, _engines, _medians, _ratios
+
+
+def test_the_bare_engine_runs_once_per_worker_role_listed() -> None:
+    assert _engines("vllm,prefill,decode") == ["vllm_prefill", "vllm_decode", "prefill", "decode"]
+    assert _engines("decode,vllm") == ["decode", "vllm_decode"]
+    assert _engines("vllm") == ["vllm_prefill"]  # no worker listed: the prefill role's arguments
+
+
+def test_an_unknown_engine_is_refused_by_name() -> None:
+    with pytest.raises(SystemExit, match="'monolith'"):
+        _engines("vllm,monolith")
+
+
+def test_the_split_takes_each_rate_from_its_own_role() -> None:
+    results = {
+        "vllm_prefill": {"prefill_tokens_per_s": 240.0, "decode_tokens_per_s": 60.0},
+        "vllm_decode": {"prefill_tokens_per_s": 230.0, "decode_tokens_per_s": 55.0},
+    }
+    assert _bare_rates(results) == {"prefill_tokens_per_s": 240.0, "decode_tokens_per_s": 55.0}
+    del results["vllm_decode"]
+    assert _bare_rates(results) == {"prefill_tokens_per_s": 240.0, "decode_tokens_per_s": 60.0}
+    assert _bare_rates({}) == {}
+
+
+def test_each_worker_is_compared_with_the_bare_engine_of_its_role() -> None:
+    results = {
+        "vllm_prefill": {"prefill_tokens_per_s": 200.0, "decode_tokens_per_s": 50.0},
+        "vllm_decode": {"prefill_tokens_per_s": 250.0, "decode_tokens_per_s": 40.0},
+        "prefill": {"prefill_tokens_per_s": 180.0},
+        "decode": {"prefill_tokens_per_s": 200.0, "decode_tokens_per_s": 44.0},
+    }
+    assert _ratios(results) == pytest.approx(
+        {"prefill_prefill": 0.9, "decode_prefill": 0.8, "decode_decode": 1.1}
+    )
+
+
+def test_rounds_report_the_median_of_each_figure() -> None:
+    rows = [{"a": 1.0, "b": 9.0}, {"a": 3.0, "b": 7.0}, {"a": 2.0, "b": 8.0}]
+    assert _medians(rows) == {"a": 2.0, "b": 8.0}
+    assert _medians([]) == {}
