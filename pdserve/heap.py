@@ -1,7 +1,8 @@
 """The garbage collector of a long-running pdserve process.
 
 A gateway or worker builds most of its objects while it starts (modules, the tokenizer, the
-model config, pydantic and protobuf classes: some 130k in the gateway) and keeps them for good.
+model config, pydantic and protobuf classes: some 130k in the gateway; vLLM's engine front end
+in a worker, with torch, some 630k) and keeps them for good.
 Python's full collections walk every one of them each time, and how often they come depends on
 how many objects survive the younger generations; a busy gateway (spans kept until they are
 exported, streams, queues) makes them come often. ``freeze_startup_objects`` moves what is alive
