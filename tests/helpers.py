@@ -172,3 +172,16 @@ def parse_sse(body: str) -> list[Any]:
         payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def wait_pinned(port: int, req: str, secret: bytes | None = None, timeout_s: float = 60.0) -> None:
+    """Wait until the producer agent on ``port`` holds ``req``'s blocks. A job comes in on
+    the agent's control channel, a release or renewal over TCP, and nothing orders the two:
+    a test that releases right after serving may overtake the job. Renewing is the probe (it
+    only pushes the lease out)."""
+    from kv_transfer.client import renew
+
+    deadline = time.monotonic() + timeout_s
+    while not renew("127.0.0.1", port, req, secret=secret):
+        assert time.monotonic() < deadline, f"the agent never registered {req}"
+        time.sleep(0.01)

@@ -299,11 +299,15 @@ def test_redis_restarted_empty_costs_no_request(cluster: RealCluster) -> None:
     streams = start_streams(cluster, PROMPTS, 8)
     wait_until(lambda: redis_answers(port) and group_on_port(port) != group, RECOVERY_S,
                "pdserve up restarted Redis")  # fmt: skip
-    back_at = time.monotonic()
     wait_all(streams)
     assert all(not s.error and s.finish == "length" for s in streams), streams
-    time.sleep(max(0.0, back_at + 10 - time.monotonic()))  # the index's bound: 10 s
-    before = metric_sum(cluster, "pdserve_gateway_predicted_cached_tokens_total")
-    chat(cluster, system, "Which item is last?")
-    predicted = metric_sum(cluster, "pdserve_gateway_predicted_cached_tokens_total") - before
-    assert predicted >= 128, "the prefix index did not predict the cached prefix again"
+
+    def predicted_again() -> bool:
+        before = metric_sum(cluster, "pdserve_gateway_predicted_cached_tokens_total")
+        chat(cluster, system, "Which item is last?")
+        after = metric_sum(cluster, "pdserve_gateway_predicted_cached_tokens_total")
+        return after - before >= 128
+
+    # The workers compare the index's count of their blocks with their own every 2 s and
+    # rewrite it; on a loaded machine that may take longer, so ask again until it shows.
+    wait_until(predicted_again, RECOVERY_S, "the prefix index predicted the cached prefix again")

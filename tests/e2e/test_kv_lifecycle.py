@@ -117,11 +117,12 @@ async def test_a_pinned_hand_off_is_counted_and_freed_at_once_by_abort(
 
         def pinned(g: Gauges) -> bool:
             # renewed while waiting: a slow heartbeat must not turn this into a lease expiry
-            assert renew("127.0.0.1", kv_port, handoff.remote_request_id, secret=secret)
+            # (False until the engine's transfer process has registered the hand-off)
+            held = renew("127.0.0.1", kv_port, handoff.remote_request_id, secret=secret)
             # Only a report from after this prefill counts (more engine steps than before):
             # the last report before it may still show an earlier test's hand-off pinned.
             fresh = g["engine_steps"][key] > before["engine_steps"][key]
-            return fresh and g["pinned_blocks"][key] >= 3 and g["leases"][key] >= 1
+            return held and fresh and g["pinned_blocks"][key] >= 3 and g["leases"][key] >= 1
 
         await until(http, cluster.base_url, pinned, DRAIN_S, "pinned blocks shown")
         assert await prefill.abort(request_id) is True  # its blocks were pinned

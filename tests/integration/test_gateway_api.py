@@ -204,7 +204,8 @@ async def test_saturated_gateway_answers_429_with_retry_after() -> None:
     ):
         body = {"prompt": "x", "max_tokens": 4}
         slow = asyncio.ensure_future(http.post("/v1/completions", json=body))
-        await asyncio.sleep(0.2)
+        while not c.decode or not c.decode.seen.requests:  # the first one holds the slot
+            await asyncio.sleep(0.01)
         refused = await http.post("/v1/completions", json=body)
         assert (await slow).status_code == 200
         after = await http.post("/v1/completions", json=body)

@@ -174,7 +174,9 @@ async def test_ejected_worker_is_probed_back_in() -> None:
 
 
 async def test_worker_ejected_mid_stream_moves_its_requests_at_once() -> None:
-    slow = FakeDecode(positional=True, delay_s=0.2)
+    # Two tokens, then it hangs: the stream can only finish on the healthy worker, however
+    # late this test gets to eject it.
+    slow = FakeDecode(positional=True, delay_s=0.2, hang_after=2)
     async with two_of_each(slow, inter_token_timeout_s=300) as (c, _, healthy):
         task = asyncio.create_task(stream_text(c))
         while len(slow.seen.requests) < 1:

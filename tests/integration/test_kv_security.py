@@ -24,6 +24,7 @@ from kv_transfer.auth import AuthenticationFailed, connect, load_secret, new_sec
 from kv_transfer.client import release, renew
 from kv_transfer.handle import AgentHandle
 from kv_transfer.wire import ConnectionClosed, recv_frame, send_frame
+from tests.helpers import wait_pinned
 
 GEO = bench.Geometry(blocks=4, block_bytes=4096)
 RSS_SLACK = 32 * 1024 * 1024
@@ -112,6 +113,7 @@ def test_pull_and_release_work_with_the_deployment_secret(agents: Agents) -> Non
     agents.pull_is_correct("r1", [5, 1], [2, 6])
     assert next_message(agents.producer)["reason"] == "sent"
     agents.serve("r2", [3])
+    wait_pinned(agents.producer.port, "r2", agents.secret)
     assert release("127.0.0.1", agents.producer.port, "r2", secret=agents.secret) is True
     assert next_message(agents.producer) == {"op": "finished", "req": "r2", "reason": "released"}
 
@@ -215,6 +217,7 @@ def test_renew_keeps_an_unpulled_job_pinned_past_its_lease(agents: Agents) -> No
     port = agents.producer.port
     assert renew("127.0.0.1", port, "nobody", secret=agents.secret) is False
     agents.serve("queued", [2])
+    wait_pinned(port, "queued", agents.secret)
     # Renew for three leases' time: the job must outlive its original lease.
     stop = threading.Event()
     for _ in range(12):
@@ -300,6 +303,7 @@ def test_an_idle_engine_with_1000_results_due_stalls_neither_pulls_nor_the_engin
     as an idle vLLM engine takes no steps and reads nothing."""
     for n in range(1000):
         agents.serve(f"job-{n}", [n % 8])
+    wait_pinned(agents.producer.port, "job-999", agents.secret)  # and so all before it
     for n in range(1000):  # each ends at once: 1,000 results the engine does not read
         assert release("127.0.0.1", agents.producer.port, f"job-{n}", secret=agents.secret)
     # Pulls are still served ...

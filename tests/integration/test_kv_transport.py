@@ -16,6 +16,7 @@ import pytest
 from kv_transfer import bench
 from kv_transfer.client import release, release_by_key
 from kv_transfer.handle import AgentHandle
+from tests.helpers import wait_pinned
 
 GEO = bench.Geometry(blocks=4, block_bytes=4096)
 
@@ -125,7 +126,7 @@ def test_unpulled_blocks_are_unpinned_when_the_lease_runs_out(pair: Pair) -> Non
 
 def test_release_unpins_at_once_and_also_before_registration(pair: Pair) -> None:
     pair.serve("r", [0])
-    time.sleep(0.1)
+    wait_pinned(pair.producer.port, "r")
     assert release("127.0.0.1", pair.producer.port, "r") is True
     assert next_message(pair.producer)["reason"] == "released"
     # a release that overtakes its registration unpins the blocks when they arrive
@@ -137,7 +138,7 @@ def test_release_unpins_at_once_and_also_before_registration(pair: Pair) -> None
 def test_release_by_key_unpins_the_job_that_carries_the_key(pair: Pair) -> None:
     """The prefill service knows its own request id, not the engine's (vLLM renames it)."""
     pair.serve("engine-id-1", [0], key="gw-1")
-    time.sleep(0.1)
+    wait_pinned(pair.producer.port, "engine-id-1")
     assert release_by_key("127.0.0.1", pair.producer.port, "engine-id-1") is False  # not a key
     assert release("127.0.0.1", pair.producer.port, "gw-1") is False  # not a request id
     assert release_by_key("127.0.0.1", pair.producer.port, "gw-1") is True
