@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+from types import FrameType
 
 BENCHES = {
     "kv": "kv_transfer.bench",
@@ -40,5 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         mod.add_arguments(sub.add_parser(name, help=doc, description=doc))
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM end this process as Ctrl-C does, through its ``finally`` blocks: the
+    benchmarks stop the clusters and servers they started there (each in its own process
+    group), and a plain SIGTERM (``kill``, a job runner) would leave those running."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run(args: argparse.Namespace) -> int:
+    stop_on_sigterm()
     return int(importlib.import_module(BENCHES[args.bench]).run(args) or 0)

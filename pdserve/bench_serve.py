@@ -304,12 +304,18 @@ def run_workload(
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         running.append((label, result, log, process))
     results = {}
-    for label, result, log, process in running:
-        code = process.wait()
-        log.close()
-        if code != 0 or not result.exists():
-            raise RuntimeError(f"vllm bench serve ({label}) failed with {code}; see {log.name}")
-        results[label] = json.loads(result.read_text())
+    try:
+        for label, result, log, process in running:
+            code = process.wait()
+            if code != 0 or not result.exists():
+                raise RuntimeError(f"vllm bench serve ({label}) failed with {code}; see {log.name}")
+            results[label] = json.loads(result.read_text())
+    finally:  # one failed or the benchmark was stopped: no client goes on alone
+        for _, _, log, process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            log.close()
     return results
 
 
