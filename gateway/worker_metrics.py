@@ -67,6 +67,12 @@ COUNTERS: Sequence[tuple[str, str, str]] = (
      "notifications."),
     ("kv_leases_expired", "kv_leases_expired", "Prefill workers: hand-offs whose KV blocks "
      "were freed at the end of their lease, unread."),
+    ("cpu_lent_steps", "cpu_lent_steps", "Prefill workers on the CPU (core lending): decode "
+     "engine steps computed on the worker's cores while its engine had nothing to compute."),
+    ("cpu_lend_wait_seconds", "cpu_lend_wait_seconds", "Prefill workers on the CPU: seconds "
+     "its engine waited for a decode engine's step on its cores to end."),
+    ("cpu_lend_reclaims", "cpu_lend_reclaims", "Prefill workers on the CPU: times the worker "
+     "took its cores back from a decode engine that was gone or too slow."),
 )  # fmt: skip
 
 

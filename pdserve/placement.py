@@ -10,7 +10,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve import up_gpu
 
@@ -24,6 +24,8 @@ class Placement:
     env: Mapping[str, str] = field(default_factory=dict)
     gpu: str | None = None
     memory_share: float | None = None  # --gpu-memory-utilization (None: vLLM's default)
+    lending_table: str = ""  # --cpu-lending: the engine takes part in core lending
+    borrow_cores: str = ""  # --cpu-borrow: other engines' cores it may borrow
 
 
 def format_cores(cores: Sequence[int]) -> str:
@@ -35,6 +37,18 @@ def format_cores(cores: Sequence[int]) -> str:
         else:
             runs.append([core])
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def parse_cores(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (the inverse of ``format_cores``); ValueError when
+    ``text`` is not such a list."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"not a list of CPU cores: {text!r} (e.g. '0' or '0-2,5')")
+        cores += range(int(first), int(last or first) + 1)
+    return sorted(set(cores))
 
 
 def assign_cpu_cores(engines: int, cores: Sequence[int]) -> list[str]:
@@ -52,6 +66,30 @@ def assign_cpu_cores(engines: int, cores: Sequence[int]) -> list[str]:
         values.append(format_cores(ordered[start : start + size]))
         start += size
     return values
+
+
+def lendable_cores(placements: Sequence[Placement], prefill: int) -> str:
+    """The cores of the prefill engines (the first ``prefill`` of ``placements``, decode
+    engines after them) that decode engines may borrow while those have nothing to compute
+    (pdserve.worker.core_lending); "" where lending does not apply: an engine without cores
+    of its own (a GPU, or more engines than cores), or no engine of one of the roles."""
+    pinned = all(p.cpu_cores not in (None, "nobind") for p in placements)
+    if not pinned or not 0 < prefill < len(placements):
+        return ""
+    return format_cores(
+        sorted({c for p in placements[:prefill] for c in parse_cores(p.cpu_cores or "")})
+    )
+
+
+def lend_cores(placements: Sequence[Placement], prefill: int, table: str) -> list[Placement]:
+    """``placements`` with core lending through ``table`` where it applies
+    (``lendable_cores``): prefill engines lend, decode engines borrow."""
+    borrow = lendable_cores(placements, prefill)
+    if not borrow:
+        return list(placements)
+    return [replace(p, lending_table=table) for p in placements[:prefill]] + [
+        replace(p, lending_table=table, borrow_cores=borrow) for p in placements[prefill:]
+    ]
 
 
 def place_engines(

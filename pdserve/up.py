@@ -30,7 +30,14 @@ from pydantic_settings import BaseSettings
 from pdserve import settings as shared
 from pdserve import up_gpu, up_tier
 from pdserve.backoff import Backoff
-from pdserve.placement import Placement, gpus_to_use, place_engines, usable_cores
+from pdserve.placement import (
+    Placement,
+    gpus_to_use,
+    lend_cores,
+    lendable_cores,
+    place_engines,
+    usable_cores,
+)
 from pdserve.redis_server import RedisServerError, answers, free_ports, server_command
 from pdserve.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.supervisor import (
@@ -40,6 +47,7 @@ from pdserve.supervisor import (
     Supervisor,
     SupervisorOptions,
 )
+from pdserve.worker.core_lending import CoreTable
 
 PROBE_RPC_TIMEOUT_S = 1.5
 # Children print as they go, so that a log tail shows the last thing that happened.
@@ -99,6 +107,11 @@ class UpSettings(BaseSettings):
         gt=0,
         description="maxmemory of the private tier redis-server (least recently used chunks "
         "are evicted beyond it)",
+    )
+    cpu_lending: bool = Field(
+        True,
+        description="CPU, each engine on cores of its own: decode engines also compute on the "
+        "prefill engines' cores while those have nothing to compute (docs/benchmarks.md)",
     )
     log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
     startup_timeout_s: float = Field(
@@ -191,6 +204,10 @@ def _engine_flags(s: UpSettings, placement: Placement, engine_args: str) -> list
     flags = ["--model", s.model] if s.model else []
     if placement.cpu_cores is not None:
         flags += ["--cpu-cores", placement.cpu_cores]
+    if placement.lending_table:
+        flags += ["--cpu-lending", placement.lending_table]
+    if placement.borrow_cores:
+        flags += ["--cpu-borrow", placement.borrow_cores]
     engine_args = up_gpu.with_memory_share(engine_args, placement.memory_share)
     if engine_args:  # "=": a separate value starting with "--" would be read as a flag
         flags.append(f"--engine-args={engine_args}")
@@ -243,12 +260,16 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
 
 
 def build_specs(
-    s: UpSettings, gpus: Sequence[str], cores: Sequence[int]
+    s: UpSettings, gpus: Sequence[str], cores: Sequence[int], lending_table: str = ""
 ) -> tuple[list[ChildSpec], str | None]:
     """Workers first, then the gateway (stopped first: stop_stage 0); and a sharing warning.
-    Raises ``up_gpu.ConnectorError`` when the requested connector cannot run here."""
+    With ``lending_table``, decode engines borrow the prefill engines' cores where
+    ``placement.lend_cores`` allows it. Raises ``up_gpu.ConnectorError`` when the requested
+    connector cannot run here."""
     connector = up_gpu.connector_for(s.kv_connector, gpus)
     placements, warning = place_engines(s.prefill + s.decode, gpus, cores)
+    if lending_table:
+        placements = lend_cores(placements, s.prefill, lending_table)
     names = [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
     after = [
         (names[j],) if j is not None else ()
@@ -416,7 +437,9 @@ def run(args: argparse.Namespace) -> int:
     if s.kv_tier_url != given.kv_tier_url:
         limit = f"maxmemory {s.kv_tier_redis_gib:g} GiB, allkeys-lru"
         print(f"pdserve up: KV tier redis-server on {s.kv_tier_url} ({limit})", flush=True)
-    specs, warning = build_specs(s, gpus, usable_cores())
+    cores = usable_cores()
+    table = lending_table(s, gpus, cores, log_dir)
+    specs, warning = build_specs(s, gpus, cores, table)
     specs = [*redis, *(replace(spec, env={**spec.env, **secret_env}) for spec in specs)]
     if warning:
         print(warning, flush=True)
@@ -424,6 +447,25 @@ def run(args: argparse.Namespace) -> int:
     options = supervisor_options(s, log_dir)
     supervisor = Supervisor(specs, options, on_ready=lambda: print(banner, flush=True))
     return asyncio.run(supervisor.run())
+
+
+def lending_table(s: UpSettings, gpus: Sequence[str], cores: Sequence[int], log_dir: Path) -> str:
+    """A new core lending table at ``<log_dir>/cpu-lending`` when this cluster's engines lend
+    cores (``--cpu-lending``, ``placement.lendable_cores``); its path, or "". Prints which."""
+    placements, _ = place_engines(s.prefill + s.decode, gpus, cores)
+    borrow = lendable_cores(placements, s.prefill) if s.cpu_lending else ""
+    if not borrow:
+        if not gpus:
+            why = ("it needs prefill and decode workers, each on cores of its own"
+                   if s.cpu_lending else "--no-cpu-lending")  # fmt: skip
+            print(f"pdserve up: core lending off ({why})", flush=True)
+        return ""
+    path = _prepared(log_dir) / "cpu-lending"
+    CoreTable.create(str(path), max(cores) + 1)
+    print(f"pdserve up: core lending: decode engines also compute on cores {borrow} while "
+          "the prefill engines there have nothing to compute (--no-cpu-lending: off)",
+          flush=True)  # fmt: skip
+    return str(path)
 
 
 def deployment_secret_env(log_dir: Path) -> dict[str, str]:

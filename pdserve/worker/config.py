@@ -71,6 +71,18 @@ class WorkerSettings(BaseSettings):
         1, ge=1, description="CPU only: KV cache size in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)"
     )
     cpu_cores: str = Field("", description="CPU only: cores for the engine, e.g. '0' or '0-3'")
+    cpu_lending: str = Field(
+        "",
+        description="CPU only: the core lending table of engines sharing this machine (pdserve "
+        "up makes it): with it a worker lends its cpu_cores while its engine has nothing to "
+        "compute, or, with cpu_borrow, borrows",
+    )
+    cpu_borrow: str = Field(
+        "",
+        description="CPU only, with cpu_lending: other engines' cores this engine also computes "
+        "on while they have nothing to compute, e.g. '0' (pdserve up: decode workers borrow "
+        "the prefill workers' cores)",
+    )
     hash_seed: int = Field(
         42,
         ge=0,

@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.placement import format_cores
 from pdserve.settings import sets_flag
 from pdserve.worker import kv_tier, owned_dirs, vllm_plugin
 from pdserve.worker.config import WorkerSettings
@@ -178,6 +179,10 @@ def apply_environment(settings: WorkerSettings) -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
+    if settings.cpu_lending and not has_gpu():
+        env, line = lending_env(settings)
+        os.environ.update(env)
+        log.info("engine default %s", line)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
     os.environ.update(kv_tier.lmcache_env(settings))
     os.environ.update(nixl_env(settings))
@@ -185,6 +190,42 @@ def apply_environment(settings: WorkerSettings) -> None:
         # LMCache names its engine-internal sockets after the engine id (the worker id), so
         # two clusters on one host ("prefill-0" in both) would meet on one socket path.
         os.environ["VLLM_RPC_BASE_PATH"] = private_dir("pdserve-rpc-")
+
+
+def lending_env(settings: WorkerSettings) -> tuple[dict[str, str], str]:
+    """The environment of an engine taking part in core lending (pdserve.worker.core_lending)
+    and a line saying what it does; ValueError when the settings do not allow it.
+
+    A lender (no ``cpu_borrow``) keeps vLLM's thread binding of its ``cpu_cores``. A borrower
+    starts an OpenMP thread for each of its own cores and each core it may borrow, each bound
+    to its core, its own first: the model runner's thread is the first, so it stays on the
+    engine's own core, and the threads on borrowed cores are the ones a step may leave out.
+    vLLM binds threads in ascending core order, so the borrower binds them itself.
+    """
+    from pdserve.placement import parse_cores
+    from pdserve.worker import vllm_plugin
+
+    if not settings.cpu_cores or settings.cpu_cores == "nobind":
+        raise ValueError("--cpu-lending needs the engine's own --cpu-cores (e.g. '1')")
+    own = parse_cores(settings.cpu_cores)
+    env = {vllm_plugin.LENDING_ENV: settings.cpu_lending}
+    if not settings.cpu_borrow:
+        env[vllm_plugin.LEND_ENV] = settings.cpu_cores
+        return env, f"core lending: cores {settings.cpu_cores} lent while the engine is idle"
+    borrow = [core for core in parse_cores(settings.cpu_borrow) if core not in own]
+    if not borrow:
+        raise ValueError(f"--cpu-borrow {settings.cpu_borrow} names only the engine's own cores")
+    env |= {
+        vllm_plugin.OWN_ENV: settings.cpu_cores,
+        vllm_plugin.BORROW_ENV: format_cores(borrow),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(len(own) + len(borrow)),
+        "GOMP_CPU_AFFINITY": " ".join(str(core) for core in [*own, *borrow]),
+    }
+    return env, (
+        f"core lending: steps on cores {format_cores(own)}, and on {format_cores(borrow)} "
+        "too while their engine has nothing to compute"
+    )
 
 
 def nixl_env(settings: WorkerSettings) -> dict[str, str]:

@@ -45,6 +45,16 @@ class Load:
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
     kv_leases_expired: int = 0
+    # Core lending on a lending worker (pdserve.worker.core_lending): its table's counters.
+    cpu_lent_steps: int = 0
+    cpu_lend_wait_seconds: float = 0.0
+    cpu_lend_reclaims: int = 0
+
+    def add_lending(self, totals: Any) -> None:
+        """Take the lending table's counters of this worker's cores (a ``Record``)."""
+        self.cpu_lent_steps = totals.lent_steps
+        self.cpu_lend_wait_seconds = totals.waited_ns / 1e9
+        self.cpu_lend_reclaims = totals.reclaimed
 
     def add_transfers(self, kv_connector_stats: dict[str, Any] | None) -> None:
         """Add one engine step's NIXL transfer statistics (none with pdserve's connector)."""

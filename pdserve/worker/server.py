@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -31,6 +31,9 @@ from pdserve.worker.errors import (
 from pdserve.worker.handoff import to_params
 from pdserve.worker.service import WorkerService
 from protos.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from pdserve.worker.registration import Load
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,9 @@ class ServicerBase:
                 kv_transfer_seconds=service.load.kv_transfer_seconds,
                 kv_transfer_failures=service.load.kv_transfer_failures,
                 kv_leases_expired=service.load.kv_leases_expired,
+                cpu_lent_steps=service.load.cpu_lent_steps,
+                cpu_lend_wait_seconds=service.load.cpu_lend_wait_seconds,
+                cpu_lend_reclaims=service.load.cpu_lend_reclaims,
             ),
             index_keys=worker_pb2.PrefixIndexKeys(
                 hash_seed=service.settings.hash_seed,
@@ -186,7 +192,7 @@ async def serve(
     log.info("garbage collector: %d start-up objects frozen", freeze_startup_objects())
     await server.set_serving(True)
     log.info("%s ready (%s)", settings.name, servicer.service.info.kv_connector)
-    code = await _run_until_stopped(engine, stop)
+    code = await _run_until_stopped(engine, stop, lending_counters(settings, load))
     log.info("%s stopping", settings.name)
     if link is not None:
         await link.stop()  # leave the registry first: gateways stop sending new requests
@@ -218,11 +224,26 @@ def _may_run_open(settings: WorkerSettings) -> bool:
     return True
 
 
-async def _run_until_stopped(engine: Any, stop: asyncio.Event) -> int:
+def lending_counters(settings: WorkerSettings, load: Load) -> Callable[[], None]:
+    """What copies the core lending counters of this worker's cores into ``load`` (nothing
+    for a worker that lends no cores)."""
+    if not settings.cpu_lending or settings.cpu_borrow or not settings.cpu_cores:
+        return lambda: None
+    from pdserve.placement import parse_cores
+    from pdserve.worker.core_lending import CoreTable
+
+    table, cores = CoreTable(settings.cpu_lending), parse_cores(settings.cpu_cores)
+    return lambda: load.add_lending(table.totals(cores))
+
+
+async def _run_until_stopped(
+    engine: Any, stop: asyncio.Event, every_second: Callable[[], None] = lambda: None
+) -> int:
     while not stop.is_set():
         if engine.errored:
             log.error("the vLLM engine died; exiting so that the worker is restarted")
             return 1
+        every_second()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
     return 0

@@ -31,6 +31,12 @@ GROWTH = 0.125
 
 
 def register() -> None:
+    install_pause()
+    install_lending()
+
+
+def install_pause() -> None:
+    """Make vLLM's message-queue waits pause (``PAUSE_ENV``, ``MAX_PAUSE_ENV``)."""
     value = os.environ.get(PAUSE_ENV, "")
     if not value:
         return
@@ -60,3 +66,94 @@ def register() -> None:
         time.sleep(max(condition._pdserve_pause_s, pause))
 
     condition.wait = wait
+
+
+# Core lending (pdserve.worker.core_lending), set by the worker for its engine's processes
+# (pdserve.worker.engine.lending_env): the table's path; the cores this engine owns and lends
+# (a prefill engine); or its own cores and those it may borrow (a decode engine).
+LENDING_ENV = "PDSERVE_CPU_LENDING"
+LEND_ENV = "PDSERVE_CPU_LEND"
+OWN_ENV = "PDSERVE_CPU_OWN"
+BORROW_ENV = "PDSERVE_CPU_BORROW"
+
+
+def install_lending() -> None:
+    """Wrap the CPU model runner's step (``execute_model``, then ``sample_tokens``) in the
+    engine's part of the core lending: an owner waits for its cores before it computes, a
+    borrower computes with the threads it may use now."""
+    if not os.environ.get(LENDING_ENV):
+        return
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    wrap_steps(CPUWorker, LendingStep())
+
+
+def wrap_steps(worker: Any, step: Any) -> None:
+    """Make ``worker`` (a vLLM worker class) call ``step.begins()`` before each forward pass
+    and ``step.ends()`` once the pass and its sampling are over (or failed); once."""
+    if getattr(worker, "_pdserve_lending", False):
+        return
+    worker._pdserve_lending = True
+    execute, sample = worker.execute_model, worker.sample_tokens
+
+    def execute_model(self: Any, scheduler_output: Any) -> Any:
+        if scheduler_output.total_num_scheduled_tokens > 0:  # a forward pass, not a poll
+            step.begins()
+        try:
+            output = execute(self, scheduler_output)
+        except BaseException:
+            step.ends()
+            raise
+        if output is not None:  # nothing left to sample: the step is over
+            step.ends()
+        return output
+
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:
+        try:
+            return sample(self, grammar_output)
+        finally:
+            step.ends()
+
+    worker.execute_model, worker.sample_tokens = execute_model, sample_tokens
+
+
+class LendingStep:
+    """The model runner's part of the lending, made at its first step (in that process, from
+    the environment above)."""
+
+    def __init__(self, set_threads: Any = None) -> None:
+        self._set_threads = set_threads
+        self._part: Any = None
+        self._borrows = False
+        self._threads = 0
+
+    def begins(self) -> None:
+        part = self._part or self._start()
+        threads = part.step_begins()
+        # A borrower: the OpenMP threads of this step (each bound to its core).
+        if self._borrows and threads != self._threads:
+            self._set_threads(threads)
+            self._threads = threads
+
+    def ends(self) -> None:
+        if self._part is not None:
+            self._part.step_ends()
+
+    def _start(self) -> Any:
+        from pdserve.placement import parse_cores
+        from pdserve.worker import core_lending
+
+        table = core_lending.CoreTable(os.environ[LENDING_ENV])
+        self._borrows = bool(os.environ.get(BORROW_ENV))
+        if self._borrows:
+            own = parse_cores(os.environ[OWN_ENV])
+            self._part = core_lending.Borrower(table, len(own), parse_cores(os.environ[BORROW_ENV]))
+            if self._set_threads is None:
+                import torch
+
+                # vLLM's CPU worker replaces torch.set_num_threads by a no-op once it has
+                # bound its threads; the threads' binding stays as it is.
+                self._set_threads = torch._C.set_num_threads
+        else:
+            self._part = core_lending.Lender(table, parse_cores(os.environ[LEND_ENV]))
+        return self._part

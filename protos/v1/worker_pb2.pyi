@@ -167,7 +167,7 @@ class PrefixIndexKeys(_message.Message):
     def __init__(self, hash_seed: _Optional[int] = ..., redis_prefix: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps", "kv_transfers", "kv_bytes", "kv_transfer_seconds", "kv_transfer_failures", "kv_leases_expired")
+    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps", "kv_transfers", "kv_bytes", "kv_transfer_seconds", "kv_transfer_failures", "kv_leases_expired", "cpu_lent_steps", "cpu_lend_wait_seconds", "cpu_lend_reclaims")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,9 @@ class WorkerLoad(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    CPU_LENT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CPU_LEND_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_LEND_RECLAIMS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -192,4 +195,7 @@ class WorkerLoad(_message.Message):
     kv_transfer_seconds: float
     kv_transfer_failures: int
     kv_leases_expired: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ...) -> None: ...
+    cpu_lent_steps: int
+    cpu_lend_wait_seconds: float
+    cpu_lend_reclaims: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., cpu_lent_steps: _Optional[int] = ..., cpu_lend_wait_seconds: _Optional[float] = ..., cpu_lend_reclaims: _Optional[int] = ...) -> None: ...

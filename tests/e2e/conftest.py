@@ -69,6 +69,8 @@ class RealCluster:
     grpc_port: int
     log_dir: Path
     ports: dict[str, int]  # first port of each kind: prefill-i serves on ports["prefill"] + i
+    prefill_workers: int = PREFILL_WORKERS
+    decode_workers: int = DECODE_WORKERS
 
     @property
     def base_url(self) -> str:
@@ -104,10 +106,11 @@ def _serving(port: int) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def _all_ready(ports: dict[str, int]) -> bool:
+def _all_ready(found: RealCluster) -> bool:
     """Every worker serving and the gateway seeing them all (no request goes local)."""
-    workers = [ports["prefill"] + i for i in range(PREFILL_WORKERS)]
-    workers += [ports["decode"] + i for i in range(DECODE_WORKERS)]
+    ports = found.ports
+    workers = [ports["prefill"] + i for i in range(found.prefill_workers)]
+    workers += [ports["decode"] + i for i in range(found.decode_workers)]
     if not all(_serving(port) for port in workers):
         return False
     try:
@@ -117,8 +120,8 @@ def _all_ready(ports: dict[str, int]) -> bool:
     except (OSError, ValueError):
         return False
     return bool(
-        body["healthy_prefill_workers"] == PREFILL_WORKERS
-        and body["healthy_decode_workers"] == DECODE_WORKERS
+        body["healthy_prefill_workers"] == found.prefill_workers
+        and body["healthy_decode_workers"] == found.decode_workers
     )
 
 
@@ -180,10 +183,32 @@ def cluster(
 
     Conditional disaggregation is off (threshold 0), so every request moves KV blocks. Every
     process exports traces to ``traces``."""
+    tier = [
+        # The shared KV tier (LMCache) in a private tier Redis, on every worker: the whole
+        # suite runs with it (tests/e2e/test_kv_tier.py tests the tier itself).
+        "--kv-tier", "redis", "--kv-tier-cpu-gib", "0.25", "--kv-tier-redis-gib", "1",
+    ]  # fmt: skip
+    # Tracing the standard way, one environment for up and all its children (each names
+    # itself); a short batch delay so that spans arrive while a test waits for them.
+    tracing = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
     log_root = tmp_path_factory.mktemp("logs")
+    yield from run_cluster(log_root, PREFILL_WORKERS, DECODE_WORKERS, tier, tracing)
+
+
+def run_cluster(
+    log_root: Path, prefill: int, decode: int, args: list[str], env: dict[str, str]
+) -> Iterator[RealCluster]:
+    """``pdserve up`` with ``prefill`` + ``decode`` workers (the e2e DTYPE, every request
+    disaggregated) and ``args``, ``env`` added; yields it once ready, then stops it and checks
+    that it stopped cleanly with every port closed."""
     for attempt in range(START_ATTEMPTS):
-        ports, up, up_log, found = _start_up(log_root / f"attempt-{attempt}", traces.endpoint)
-        failure = _wait_ready(ports, up, found)
+        found, up, up_log = _start_up(log_root / f"attempt-{attempt}", prefill, decode, args, env)
+        failure = _wait_ready(found, up)
         if failure is None:
             break
         up_log.close()
@@ -193,60 +218,54 @@ def cluster(
     up.send_signal(signal.SIGTERM)
     code = up.wait(timeout=120)
     up_log.close()
-    all_ports = {**ports, "prefill-1": ports["prefill"] + 1, "kv-1": ports["kv"] + 1,
-                 "decode-1": ports["decode"] + 1}  # fmt: skip
+    ports = found.ports
+    all_ports = {"http": ports["http"], "grpc": ports["grpc"]}
+    for kind, count in (("prefill", prefill), ("kv", prefill), ("decode", decode)):
+        all_ports |= {f"{kind}-{i}": ports[kind] + i for i in range(count)}
     leftover = [name for name, port in all_ports.items() if _port_open(port)]
     assert code == 0, f"pdserve up exited {code}"
     assert not leftover, f"ports still served after shutdown: {leftover}"
 
 
 def _start_up(
-    log_dir: Path, otlp_endpoint: str
-) -> tuple[dict[str, int], subprocess.Popen[bytes], Any, RealCluster]:
+    log_dir: Path, prefill: int, decode: int, args: list[str], extra_env: dict[str, str]
+) -> tuple[RealCluster, subprocess.Popen[bytes], Any]:
     taken: set[int] = set()  # each port once: a server given another's port cannot bind it
     ports = {name: free_port_run(1, taken) for name in ("http", "grpc")}
-    ports["prefill"] = free_port_run(PREFILL_WORKERS, taken)
-    ports["decode"] = free_port_run(DECODE_WORKERS, taken)
-    ports["kv"] = free_port_run(PREFILL_WORKERS, taken)
+    ports["prefill"] = free_port_run(prefill, taken)
+    ports["decode"] = free_port_run(decode, taken)
+    ports["kv"] = free_port_run(prefill, taken)
     log_dir.mkdir(parents=True)
     cmd = [
-        sys.executable, "-m", "pdserve", "up", "--prefill", str(PREFILL_WORKERS),
-        "--decode", str(DECODE_WORKERS),
+        sys.executable, "-m", "pdserve", "up", "--prefill", str(prefill),
+        "--decode", str(decode),
         "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
         "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
         "--kv-port", str(ports["kv"]), "--log-dir", str(log_dir),
         f"--prefill-engine-args=--dtype {DTYPE}", f"--decode-engine-args=--dtype {DTYPE}",
-        # The shared KV tier (LMCache) in a private tier Redis, on every worker: the whole
-        # suite runs with it (tests/e2e/test_kv_tier.py tests the tier itself).
-        "--kv-tier", "redis", "--kv-tier-cpu-gib", "0.25", "--kv-tier-redis-gib", "1",
+        *args,
     ]  # fmt: skip
     # Conditional disaggregation off: every request moves KV blocks. KV-usage weight 0: the
     # heartbeat-reported usage lags by up to 2 s, and with sequential requests a stale value
     # would steer every new conversation to one worker; ties then rotate over both.
-    # Tracing the standard way, one environment for up and all its children (each names
-    # itself); a short batch delay so that spans arrive while a test waits for them.
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0",
         "PDSERVE_GATEWAY_KV_USAGE_WEIGHT": "0",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
         "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"])),
         "no_proxy": ",".join(filter(None, [os.environ.get("no_proxy"), "127.0.0.1"])),
+        **extra_env,
     }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
     up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)
-    return ports, up, up_log, RealCluster(ports["http"], ports["grpc"], log_dir, ports)
+    found = RealCluster(ports["http"], ports["grpc"], log_dir, ports, prefill, decode)
+    return found, up, up_log
 
 
-def _wait_ready(
-    ports: dict[str, int], up: subprocess.Popen[bytes], found: RealCluster
-) -> str | None:
+def _wait_ready(found: RealCluster, up: subprocess.Popen[bytes]) -> str | None:
     """None once the cluster is ready; else (up stopped) what its logs say."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not _all_ready(ports):
+    while not _all_ready(found):
         if up.poll() is not None or time.monotonic() > deadline:
             if up.poll() is None:  # up stops its children on SIGTERM; kill is the last resort
                 up.terminate()

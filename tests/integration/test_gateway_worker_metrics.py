@@ -67,6 +67,20 @@ async def test_nixl_transfer_counters_are_exported_per_worker() -> None:
     assert values[("pdserve_gateway_worker_kv_leases_expired_total", *p)] == 0.0
 
 
+async def test_core_lending_counters_are_exported_per_worker() -> None:
+    """The core lending counters a prefill worker reports (pdserve.worker.core_lending)."""
+    prefill = FakePrefill()
+    prefill.caps.load.CopyFrom(
+        worker_pb2.WorkerLoad(cpu_lent_steps=40, cpu_lend_wait_seconds=0.5, cpu_lend_reclaims=1)
+    )
+    async with gateway_cluster(prefill=prefill) as c, httpx.AsyncClient() as http:
+        values = gauges((await http.get(c.base_url + "/metrics")).text)
+    p = ("prefill", "fake-role_prefill")
+    assert values[("pdserve_gateway_worker_cpu_lent_steps_total", *p)] == 40.0
+    assert values[("pdserve_gateway_worker_cpu_lend_wait_seconds_total", *p)] == 0.5
+    assert values[("pdserve_gateway_worker_cpu_lend_reclaims_total", *p)] == 1.0
+
+
 async def test_a_worker_that_leaves_the_pool_is_no_longer_exported() -> None:
     pool = WorkerPool(GatewaySettings(control_timeout_s=0.5))
     registry = CollectorRegistry()

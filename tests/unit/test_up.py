@@ -15,9 +15,12 @@ from pdserve import settings as shared
 from pdserve.backoff import Backoff
 from pdserve.cli import build_parser
 from pdserve.placement import (
+    Placement,
     assign_cpu_cores,
     format_cores,
     gpus_to_use,
+    lendable_cores,
+    parse_cores,
     parse_gpu_list,
     place_engines,
 )
@@ -26,6 +29,7 @@ from pdserve.up import (
     UpSettings,
     add_arguments,
     build_specs,
+    lending_table,
     ready_banner,
     redis_spec,
     run,
@@ -46,6 +50,52 @@ def parse(*argv: str) -> UpSettings:
 def test_format_cores() -> None:
     assert format_cores([0]) == "0"
     assert format_cores([3, 0, 1, 2, 5, 7, 8]) == "0-3,5,7-8"
+
+
+def test_parse_cores_is_the_inverse_of_format_cores() -> None:
+    assert parse_cores("0-3,5,7-8") == [0, 1, 2, 3, 5, 7, 8]
+    assert parse_cores(" 1 , 0") == [0, 1]
+    for bad in ("", "a", "1-", "-1", "0-x", "nobind"):
+        with pytest.raises(ValueError, match="not a list of CPU cores"):
+            parse_cores(bad)
+
+
+@pytest.mark.parametrize(
+    ("cores", "prefill", "expected"),
+    [
+        (["0", "1"], 1, "0"),  # the 2-core machine: decode borrows the prefill core
+        (["0", "1", "2", "3"], 1, "0"),
+        (["0-1", "2", "3"], 2, "0-2"),  # every prefill engine's cores
+        (["0", "1"], 0, ""),  # no prefill engine: nothing to lend
+        (["0", "1"], 2, ""),  # no decode engine: nobody to borrow
+        (["nobind"] * 3, 1, ""),  # engines sharing cores: no cores of their own
+        ([None, None], 1, ""),  # GPUs
+    ],
+)
+def test_lendable_cores(cores: list[str | None], prefill: int, expected: str) -> None:
+    assert lendable_cores([Placement(cpu_cores=c) for c in cores], prefill) == expected
+
+
+def test_decode_workers_borrow_the_prefill_cores_through_the_table(tmp_path: Path) -> None:
+    s = parse("--decode", "2", "--log-dir", str(tmp_path))
+    table = lending_table(s, [], [0, 1, 2], tmp_path)
+    assert table == str(tmp_path / "cpu-lending") and Path(table).stat().st_size > 0
+    specs, _ = build_specs(s, gpus=[], cores=[0, 1, 2], lending_table=table)
+    prefill, decode0, decode1, _ = specs
+    assert prefill.argv[-4:] == ("--cpu-cores", "0", "--cpu-lending", table)
+    assert decode0.argv[-6:] == ("--cpu-cores", "1", "--cpu-lending", table, "--cpu-borrow", "0")
+    assert decode1.argv[-6:] == ("--cpu-cores", "2", "--cpu-lending", table, "--cpu-borrow", "0")
+
+
+def test_no_lending_table_when_it_is_off_or_does_not_apply(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert lending_table(parse("--no-cpu-lending"), [], [0, 1], tmp_path) == ""
+    assert "core lending off (--no-cpu-lending)" in capsys.readouterr().out
+    assert lending_table(parse("--prefill", "2"), [], [0, 1], tmp_path) == ""  # shared cores
+    assert "core lending off (it needs prefill and decode workers" in capsys.readouterr().out
+    assert lending_table(parse(), ["0"], [0, 1], tmp_path) == ""  # GPUs
+    assert not (tmp_path / "cpu-lending").exists()
 
 
 @pytest.mark.parametrize(

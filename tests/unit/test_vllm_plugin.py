@@ -132,3 +132,82 @@ def test_a_cpu_worker_gives_its_engine_the_pauses_and_the_users_stand(
             vllm_plugin.MAX_PAUSE_ENV: engine.ENGINE_SPIN_PAUSE_MAX_S,
         }
         assert {name: os.environ[name] for name in expected} == expected
+
+
+# ---- core lending: the model runner's step ------------------------------------------------
+class _Output:
+    """A scheduler's output: how many tokens the step computes (0: a poll, no forward pass)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.total_num_scheduled_tokens = tokens
+
+
+class _Worker:
+    """vLLM's worker class as the wrapper sees it: execute_model returns None when sampling
+    follows, an output when the step is over."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        self.log.append("execute")
+        if scheduler_output.total_num_scheduled_tokens == 999:
+            raise RuntimeError("the forward pass failed")
+        return None if scheduler_output.total_num_scheduled_tokens else "polled"
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        self.log.append("sample")
+        return "sampled"
+
+
+class _Step:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def begins(self) -> None:
+        self.log.append("begins")
+
+    def ends(self) -> None:
+        self.log.append("ends")
+
+
+def test_a_step_is_wrapped_from_its_forward_pass_to_its_sampling() -> None:
+    log: list[str] = []
+    worker = type("Worker", (_Worker,), {})
+    vllm_plugin.wrap_steps(worker, _Step(log))
+    vllm_plugin.wrap_steps(worker, _Step(log))  # once only
+    runner = worker(log)
+    assert runner.execute_model(_Output(4)) is None
+    assert runner.sample_tokens(None) == "sampled"
+    assert log == ["begins", "execute", "sample", "ends"]
+    log.clear()
+    assert runner.execute_model(_Output(0)) == "polled"  # a poll holds no cores
+    assert log == ["execute", "ends"]
+    log.clear()
+    with pytest.raises(RuntimeError):
+        runner.execute_model(_Output(999))
+    assert log == ["begins", "execute", "ends"]
+
+
+def test_a_borrower_step_sets_the_threads_it_may_use(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.worker.core_lending import CoreTable, Lender
+
+    path = str(tmp_path / "cpu-lending")
+    CoreTable.create(path, 2)
+    monkeypatch.setenv(vllm_plugin.LENDING_ENV, path)
+    monkeypatch.setenv(vllm_plugin.OWN_ENV, "1")
+    monkeypatch.setenv(vllm_plugin.BORROW_ENV, "0")
+    threads: list[int] = []
+    step = vllm_plugin.LendingStep(set_threads=threads.append)
+    step.begins()  # core 0's owner has never computed: it may be borrowed
+    step.ends()
+    owner = Lender(CoreTable(path), [0])
+    owner.step_begins()
+    step.begins()
+    step.ends()
+    step.begins()  # the same count again: not set again
+    step.ends()
+    owner.step_ends()
+    assert threads == [2, 1]

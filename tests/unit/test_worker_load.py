@@ -35,3 +35,30 @@ def test_lifecycle_stats_are_gauges_the_newest_wins() -> None:
     assert older.aggregate(newer).reduce() == {"pinned_blocks": 0, "leases": 0}
     assert not newer.is_empty()  # zero is a value worth reporting
     assert LifecycleStats().is_empty()
+
+
+def test_a_lending_worker_reports_its_cores_counters(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from pdserve.worker.config import WorkerSettings
+    from pdserve.worker.core_lending import Borrower, CoreTable, Lender
+    from pdserve.worker.server import lending_counters
+
+    path = str(Path(str(tmp_path)) / "cpu-lending")
+    CoreTable.create(path, 2)
+    table = CoreTable(path)
+    for _ in range(3):  # a decode engine computes three steps on core 0 (never computed on)
+        borrower = Borrower(table, home=1, cores=[0])
+        assert borrower.step_begins() == 2
+        borrower.step_ends()
+    Lender(table, [1]).step_begins()  # core 1's owner, not counted for core 0's
+    load = Load()
+    lender = WorkerSettings.model_validate({"cpu_lending": path, "cpu_cores": "0"})
+    lending_counters(lender, load)()
+    assert (load.cpu_lent_steps, load.cpu_lend_wait_seconds, load.cpu_lend_reclaims) == (3, 0, 0)
+    borrowing = WorkerSettings.model_validate(
+        {"cpu_lending": path, "cpu_cores": "1", "cpu_borrow": "0"}
+    )
+    other = Load()
+    lending_counters(borrowing, other)()  # a borrower lends nothing: nothing to report
+    assert other.cpu_lent_steps == 0

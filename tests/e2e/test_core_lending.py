@@ -1,0 +1,56 @@
+"""Core lending on the real path: ``pdserve up``'s own topology on this machine (1 prefill + 1
+decode worker, each engine on cores of its own), where the decode engine also computes on the
+prefill engine's cores while that has nothing to compute (pdserve.worker.core_lending).
+
+Requests sent together make the decode engine step both while the prefill engine computes
+prompts (its own core only) and after (the lent cores too); every output must still be
+token-identical to one monolithic engine, and the lending must show on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import RealCluster, run_cluster
+from tests.e2e.test_disaggregated import check_transfer, generate
+from tests.helpers import counted, metrics_text
+
+LENT = "pdserve_gateway_worker_cpu_lent_steps_total"
+RECLAIMED = "pdserve_gateway_worker_cpu_lend_reclaims_total"
+
+
+@pytest.fixture(scope="module")
+def lending_cluster(
+    reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealCluster]:
+    yield from run_cluster(tmp_path_factory.mktemp("lending-logs"), 1, 1, [], {})
+
+
+async def test_steps_on_lent_cores_stay_token_identical(
+    lending_cluster: RealCluster, e2e_cases: list[dict[str, Any]], reference: dict[str, Any]
+) -> None:
+    cluster = lending_cluster
+    up_log = (cluster.log_dir / "pdserve-up.out").read_text()
+    assert "core lending: decode engines also compute on cores" in up_log, up_log[-2000:]
+    answers = await asyncio.gather(*(generate(cluster, case) for case in e2e_cases))
+    for case, (tokens, text, final) in zip(e2e_cases, answers, strict=True):
+        expected = reference[case["name"]]
+        compared = case.get("compare_tokens")  # None: the whole greedy output
+        assert tokens[:compared] == expected["token_ids"][:compared], (case["name"], text)
+        check_transfer(final, final.usage.prompt_tokens)
+    # The prefill worker's counters reach /metrics with its heartbeat (seconds late).
+    lent, deadline = 0.0, time.monotonic() + 60
+    while lent == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(1)
+        lent = counted(await metrics_text(cluster.base_url), LENT)
+    assert lent > 0, "no decode step was computed on the prefill worker's cores"
+    assert counted(await metrics_text(cluster.base_url), RECLAIMED) == 0
+    decode_log = (cluster.log_dir / "decode-0.log").read_text()
+    assert "core lending: steps on cores" in decode_log
+    prefill_log = (cluster.log_dir / "prefill-0.log").read_text()
+    assert "lent while the engine is idle" in prefill_log
