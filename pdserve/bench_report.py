@@ -7,12 +7,15 @@ two systems are measured by the same client and summarised by the same code.
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PERCENTILES = (50, 90, 99)
+Raw = dict[str, dict[str, dict[str, Any]]]  # label -> system -> vLLM's result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -108,7 +111,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ["workload", "system", *(c[0] for c in COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [row["workload"], row["system"]]
+        round_no = f" r{row['round']}" if "round" in row else ""
+        cells = [row["workload"] + round_no, row["system"]]
         for _, key, fmt in COLUMNS:
             value = row.get(key)
             cells.append("-" if value is None else fmt.format(value))
@@ -134,6 +138,86 @@ def ratios(rows: list[dict[str, Any]], system: str, baseline: str) -> list[dict[
             entry[key.replace("_ms", "_better")] = _div(base[key], ours[key])
         out.append(entry)
     return out
+
+
+def median_ratios(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per workload, the median over rounds of each ratio of ``ratios`` and, with more than
+    one round, every round's value in ``per_round``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = []
+    for workload in dict.fromkeys(r["workload"] for ratios in rounds for r in ratios):
+        entries = [r for ratios in rounds for r in ratios if r["workload"] == workload]
+        keys = [k for k in entries[0] if k != "workload"]
+        per_round = {k: [e[k] for e in entries] for k in keys}
+        out.append({"workload": workload, **{k: _median(v) for k, v in per_round.items()},
+                    "per_round": per_round})  # fmt: skip
+    return out
+
+
+def times_text(ratios: dict[str, Any]) -> Callable[[str], str]:
+    """A ratio of ``ratios`` as "x0.91", with every round's after it when there are several."""
+
+    def text(key: str) -> str:
+        rounds = ratios.get("per_round", {}).get(key)
+        every = f" (rounds {', '.join(f'{v:.2f}' for v in rounds)})" if rounds else ""
+        return f"x{ratios[key]:.2f}{every}"
+
+    return text
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(v for v in values if not math.isnan(v))
+    if not ordered:
+        return math.nan
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def build(
+    rounds: list[tuple[Raw, dict[str, Any]]], info: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """``bench serve``'s report: rows per (workload, system) of every round (``round`` in each
+    when there are several), the pdserve/vllm ratios per workload (several rounds: the median
+    of each over the rounds, every round's in ``per_round``), pdserve's counters per round."""
+    rows, per_round = [], []
+    for r, (raw, _) in enumerate(rounds, 1):
+        round_rows = [
+            {"workload": label, "system": system, **({"round": r} if len(rounds) > 1 else {}),
+             **summarize(result, _slo(args, by_system))}
+            for label, by_system in raw.items()
+            for system, result in by_system.items()
+        ]  # fmt: skip
+        rows += round_rows
+        per_round.append(ratios(round_rows, "pdserve", "vllm"))
+    counters = [c for _, c in rounds]
+    return {
+        "machine": info,
+        "settings": {k: v for k, v in vars(args).items() if isinstance(v, str | int | float)},
+        "rows": rows,
+        "ratios": median_ratios(per_round),
+        "pdserve_counters": counters[0] if len(counters) == 1 else counters,
+    }
+
+
+def _slo(args: argparse.Namespace, by_system: dict[str, Any]) -> Slo | None:
+    """The SLO of goodput: the one given, else the monolith's own p90s in the same round."""
+    if args.slo_ttft_ms and args.slo_tpot_ms:
+        return Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    baseline = by_system.get("vllm")
+    return None if baseline is None else slo_from(baseline)
+
+
+def plotted(rounds: list[tuple[Raw, dict[str, Any]]]) -> Raw:
+    """What the plots show: each system's results, one line per round when there are more."""
+    if len(rounds) == 1:
+        return rounds[0][0]
+    lines: Raw = {}
+    for r, (raw, _) in enumerate(rounds, 1):
+        for label, by_system in raw.items():
+            for system, result in by_system.items():
+                lines.setdefault(label, {})[f"{system} r{r}"] = result
+    return lines
 
 
 def _div(a: float, b: float) -> float:

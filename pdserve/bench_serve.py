@@ -41,11 +41,13 @@ from pdserve import bench_report, machine
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "mixed")
 SYSTEMS = ("pdserve", "vllm")
-# pdserve counters worth seeing next to the latencies (lines of the gateway's /metrics), and
-# the time per phase (queue, prefill, transfer, decode) summed over finished requests.
+# pdserve counters worth seeing next to the latencies (lines of the gateway's /metrics), the
+# time per phase (queue, prefill, transfer, decode) summed over finished requests, and each
+# worker's engine steps and core lending (from its heartbeat: a few seconds late).
 COUNTERS = re.compile(
     r"^pdserve_gateway_((local_fallbacks|requests|kv_transfer_bytes|rejected)_total"
-    r"|phase_seconds_(sum|count))"
+    r"|phase_seconds_(sum|count)"
+    r"|worker_(engine_steps|cpu_(lent_steps|lend_wait_seconds|lend_reclaims)_total))"
 )
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -78,7 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare: pdserve untraced vs every request traced, in alternating rounds "
         "(no vllm serve; docs/observability.md); control: the same with both arms untraced",
     )  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=2, help="--tracing compare: rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=None,
+        help="rounds, each running every system in turn, the order alternating; ratios are "
+        "the medians over rounds (default 1; --tracing compare: 2)",
+    )  # fmt: skip
     parser.add_argument(
         "--trace-ratio", type=float, default=1.0,
         help="--tracing compare: share of the requests traced (default every one)",
@@ -333,7 +339,7 @@ def gateway_counters(url: str) -> dict[str, float]:
 # ---- the run -----------------------------------------------------------------------------
 def _settings_problem(args: argparse.Namespace, workloads: list[str]) -> str:
     """What is wrong with the settings, before anything starts ("" when nothing)."""
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         return "--rounds must be at least 1"
     if not 0 < args.trace_ratio <= 1:
         return "--trace-ratio must be in (0, 1]"
@@ -364,67 +370,60 @@ def run(args: argparse.Namespace) -> int:
     if args.tracing != "off":
         from pdserve import bench_serve_tracing
 
+        args.rounds = args.rounds or 2
         arms = "untraced and traced" if args.tracing == "compare" else "untraced twice"
         print(f"  tracing {args.tracing}: workloads {', '.join(workloads)}; {args.rounds} "
               f"rounds of pdserve {arms}; results in {out}")  # fmt: skip
         return bench_serve_tracing.run(args, out, model, name, info)
-    print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; results in {out}")
-    raw: dict[str, dict[str, dict[str, Any]]] = {}  # label -> system -> vLLM result
-    counters: dict[str, dict[str, dict[str, float]]] = {}
+    args.rounds = args.rounds or 1
+    print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; "
+          f"{args.rounds} round(s); results in {out}")  # fmt: skip
+    rounds = [
+        run_round(r, systems if r % 2 else systems[::-1], workloads, args, model, name, out)
+        for r in range(1, args.rounds + 1)
+    ]
+    report = bench_report.build(rounds, info, args)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    try:
+        plots = bench_report.plot(bench_report.plotted(rounds), out)
+    except ImportError:
+        plots = []
+        print("  (matplotlib is not installed: no plots)")
+    print(bench_report.table(report["rows"]))
+    for r in report["ratios"]:
+        x = bench_report.times_text(r)
+        print(f"  {r['workload']}: pdserve/vllm throughput {x('throughput')} (requests in "
+              f"flight {x('in_flight')}, E2E mean better {x('e2e_mean_better')}); latency "
+              f"better by TTFT p99 {x('ttft_p99_better')}, ITL p50 {x('itl_p50_better')}, "
+              f"ITL p99 {x('itl_p99_better')}")  # fmt: skip
+    print(f"results: {out / 'results.json'}; plots: {', '.join(p.name for p in plots) or '-'}")
+    return 0
+
+
+def run_round(
+    round_no: int, systems: list[str], workloads: list[str], args: argparse.Namespace,
+    model: str, name: str, out: Path,
+) -> tuple[bench_report.Raw, dict[str, Any]]:  # fmt: skip
+    """One round: each system started, every workload through it, stopped. Its results and
+    pdserve's counters per workload (the /metrics difference across it)."""
+    raw: bench_report.Raw = {}
+    counters: dict[str, Any] = {}
+    tag = f"-r{round_no}" if args.rounds > 1 else ""
     for system in systems:
         server = pdserve_cluster(args, out) if system == "pdserve" else None
         server = server or monolith(args, model, name, out)
         with server as url:
             for i, workload in enumerate(workloads, 1):
-                print(f"  [{system}] workload {i}/{len(workloads)}: {workload} ...", flush=True)
+                where = f"{system}, round {round_no}" if tag else system
+                print(f"  [{where}] workload {i}/{len(workloads)}: {workload} ...", flush=True)
                 before = gateway_counters(url) if system == "pdserve" else {}
                 started = time.monotonic()
-                results = run_workload(workload, system, url, args, model, name, out)
+                results = run_workload(workload, system + tag, url, args, model, name, out)
                 for label, result in results.items():
                     raw.setdefault(label, {})[system] = result
                 if system == "pdserve":
                     after = gateway_counters(url)
                     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
                     counters[workload] = {"pdserve": {k: v for k, v in delta.items() if v}}
-                print(f"  [{system}] {workload} done in {time.monotonic() - started:.0f} s")
-    report = build_report(raw, counters, info, args)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    try:
-        plots = bench_report.plot(raw, out)
-    except ImportError:
-        plots = []
-        print("  (matplotlib is not installed: no plots)")
-    print(bench_report.table(report["rows"]))
-    for r in report["ratios"]:
-        print(f"  {r['workload']}: pdserve/vllm throughput x{r['throughput']:.2f} (requests in "
-              f"flight x{r['in_flight']:.2f}, E2E mean better x{r['e2e_mean_better']:.2f}); "
-              f"latency better by TTFT p99 x{r['ttft_p99_better']:.2f}, ITL p50 "
-              f"x{r['itl_p50_better']:.2f}, ITL p99 x{r['itl_p99_better']:.2f}")  # fmt: skip
-    print(f"results: {out / 'results.json'}; plots: {', '.join(p.name for p in plots) or '-'}")
-    return 0
-
-
-def build_report(
-    raw: dict[str, dict[str, dict[str, Any]]],
-    counters: dict[str, Any],
-    info: dict[str, Any],
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    rows = []
-    for label, by_system in raw.items():
-        baseline = by_system.get("vllm")
-        slo = None
-        if args.slo_ttft_ms and args.slo_tpot_ms:
-            slo = bench_report.Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-        elif baseline is not None:
-            slo = bench_report.slo_from(baseline)
-        for system, result in by_system.items():
-            row = {"workload": label, "system": system, **bench_report.summarize(result, slo)}
-            rows.append(row)
-    return {
-        "machine": info,
-        "settings": {k: v for k, v in vars(args).items() if isinstance(v, str | int | float)},
-        "rows": rows,
-        "ratios": bench_report.ratios(rows, "pdserve", "vllm"),
-        "pdserve_counters": counters,
-    }
+                print(f"  [{where}] {workload} done in {time.monotonic() - started:.0f} s")
+    return raw, counters

@@ -76,3 +76,32 @@ def test_throughput_is_requests_in_flight_over_mean_e2e() -> None:
     assert r["throughput"] == pytest.approx(2.0)
     assert r["in_flight"] == pytest.approx(2.0) and r["e2e_mean_better"] == pytest.approx(1.0)
     assert r["throughput"] == pytest.approx(r["in_flight"] * r["e2e_mean_better"])
+
+
+def test_several_rounds_give_every_rounds_rows_and_the_median_ratios() -> None:
+    import argparse
+
+    from pdserve.bench_report import build, plotted, times_text
+
+    def round_of(speed: float) -> tuple[dict, dict]:
+        base = result([1.0] * 10, [[0.1, 0.1]] * 10)
+        ours = result([1.0] * 10, [[0.1 / speed, 0.1 / speed]] * 10)
+        return {"random": {"pdserve": ours, "vllm": base}}, {"random": {}}
+
+    args = argparse.Namespace(slo_ttft_ms=0, slo_tpot_ms=0)
+    rounds = [round_of(speed) for speed in (1.0, 4.0, 2.0)]
+    report = build(rounds, {"cpu": "test"}, args)
+    assert [(r["round"], r["system"]) for r in report["rows"]] == [
+        (1, "pdserve"), (1, "vllm"), (2, "pdserve"), (2, "vllm"), (3, "pdserve"), (3, "vllm"),
+    ]  # fmt: skip
+    (random,) = report["ratios"]
+    assert random["per_round"]["itl_p99_better"] == pytest.approx([1.0, 4.0, 2.0])
+    assert random["itl_p99_better"] == pytest.approx(2.0)  # the median, not the mean
+    assert times_text(random)("itl_p99_better") == "x2.00 (rounds 1.00, 4.00, 2.00)"
+    assert "| random r2 | pdserve |" in table(report["rows"])
+    assert sorted(plotted(rounds)["random"]) == [
+        "pdserve r1", "pdserve r2", "pdserve r3", "vllm r1", "vllm r2", "vllm r3",
+    ]  # fmt: skip
+    one = build(rounds[:1], {}, args)
+    assert "round" not in one["rows"][0] and "per_round" not in one["ratios"][0]
+    assert times_text(one["ratios"][0])("throughput") == "x1.00"
