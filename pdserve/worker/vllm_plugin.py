@@ -97,14 +97,18 @@ def wrap_steps(worker: Any, step: Any) -> None:
     execute, sample = worker.execute_model, worker.sample_tokens
 
     def execute_model(self: Any, scheduler_output: Any) -> Any:
-        if scheduler_output.total_num_scheduled_tokens > 0:  # a forward pass, not a poll
+        # A forward pass; not a poll (a prefill engine polls its KV transfers while blocks
+        # are pinned, every few milliseconds: such a "step" must not count as computing).
+        forward = scheduler_output.total_num_scheduled_tokens > 0
+        if forward:
             step.begins()
         try:
             output = execute(self, scheduler_output)
         except BaseException:
-            step.ends()
+            if forward:
+                step.ends()
             raise
-        if output is not None:  # nothing left to sample: the step is over
+        if forward and output is not None:  # nothing left to sample: the step is over
             step.ends()
         return output
 
@@ -126,9 +130,11 @@ class LendingStep:
         self._part: Any = None
         self._borrows = False
         self._threads = 0
+        self._active = False
 
     def begins(self) -> None:
         part = self._part or self._start()
+        self._active = True
         threads = part.step_begins()
         # A borrower: the OpenMP threads of this step (each bound to its core).
         if self._borrows and threads != self._threads:
@@ -136,7 +142,9 @@ class LendingStep:
             self._threads = threads
 
     def ends(self) -> None:
-        if self._part is not None:
+        """The step is over (only one that began: an owner's idle time runs from here)."""
+        if self._active:
+            self._active = False
             self._part.step_ends()
 
     def _start(self) -> Any:

@@ -181,8 +181,8 @@ def test_a_step_is_wrapped_from_its_forward_pass_to_its_sampling() -> None:
     assert runner.sample_tokens(None) == "sampled"
     assert log == ["begins", "execute", "sample", "ends"]
     log.clear()
-    assert runner.execute_model(_Output(0)) == "polled"  # a poll holds no cores
-    assert log == ["execute", "ends"]
+    assert runner.execute_model(_Output(0)) == "polled"  # a poll neither begins nor ends one
+    assert log == ["execute"]
     log.clear()
     with pytest.raises(RuntimeError):
         runner.execute_model(_Output(999))
@@ -201,6 +201,7 @@ def test_a_borrower_step_sets_the_threads_it_may_use(
     monkeypatch.setenv(vllm_plugin.BORROW_ENV, "0")
     threads: list[int] = []
     step = vllm_plugin.LendingStep(set_threads=threads.append)
+    step.ends()  # no step began: nothing to end
     step.begins()  # core 0's owner has never computed: it may be borrowed
     step.ends()
     owner = Lender(CoreTable(path), [0])
@@ -211,3 +212,22 @@ def test_a_borrower_step_sets_the_threads_it_may_use(
     step.ends()
     owner.step_ends()
     assert threads == [2, 1]
+
+
+def test_an_owner_step_that_never_began_does_not_reset_its_idle_time(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.worker.core_lending import CoreTable
+
+    path = str(tmp_path / "cpu-lending")
+    CoreTable.create(path, 2)
+    monkeypatch.setenv(vllm_plugin.LENDING_ENV, path)
+    monkeypatch.setenv(vllm_plugin.LEND_ENV, "0")
+    monkeypatch.delenv(vllm_plugin.BORROW_ENV, raising=False)
+    step = vllm_plugin.LendingStep()
+    step.begins()
+    step.ends()
+    ended = CoreTable(path).read(0).idle_since
+    assert ended > 0
+    step.ends()  # a second end (e.g. sampling after a step already over) changes nothing
+    assert CoreTable(path).read(0).idle_since == ended
