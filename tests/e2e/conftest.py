@@ -284,11 +284,24 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "fault: breaks a process of the shared e2e cluster (runs after the rest)"
     )
+    config.addinivalue_line(
+        "markers",
+        "own_cluster: starts and stops a cluster of its own before the shared one starts (a "
+        "2-core, 24 GiB machine has no memory for a second cluster beside the shared one)",
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.e2e)
-    # Fault tests break workers of the shared cluster (it heals, but slowly): they go last.
-    items.sort(key=lambda item: item.get_closest_marker("fault") is not None)
+
+    def stage(item: pytest.Item) -> int:
+        """Tests with a cluster of their own first (with the tiers before e2e), then those of
+        the shared cluster; fault tests break its workers (it heals, but slowly): last."""
+        if item.get_closest_marker("fault"):
+            return 2
+        shared = item.get_closest_marker("e2e") and not item.get_closest_marker("own_cluster")
+        return 1 if shared else 0
+
+    items.sort(key=stage)

@@ -20,6 +20,8 @@ from tests.e2e.conftest import RealCluster, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
 from tests.helpers import counted, metrics_text
 
+pytestmark = pytest.mark.own_cluster
+
 LENT = "pdserve_gateway_worker_cpu_lent_steps_total"
 RECLAIMED = "pdserve_gateway_worker_cpu_lend_reclaims_total"
 
