@@ -58,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown tier kind(s) {unknown}; known: {sorted(BACKENDS)}", file=sys.stderr)
         return 2
-    # LMCache logs its device detection and plugin discovery at INFO on import.
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     kinds = kinds or list(BACKENDS)
     found = problems(kinds)
     if found:
@@ -74,4 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # LMCache logs its device detection and plugin discovery at INFO on import. Only here, in
+    # a process of its own: set by main(), it stayed in a caller's environment (the test run
+    # then started workers whose LMCache logged nothing below WARNING).
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     sys.exit(main())

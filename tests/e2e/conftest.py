@@ -27,6 +27,10 @@ from tests.helpers import model_dir
 STARTUP_TIMEOUT_S = 600
 START_ATTEMPTS = 3  # fresh ports after a start that lost one of its ports to another process
 # What pdserve up and its children say when a port they were given is taken.
+# The environment the test run started with: the clusters get it, not os.environ at the time
+# they start, which the unit and integration tests before them may have changed (once a
+# check's LMCACHE_LOG_LEVEL=WARNING left the workers without the log lines a test reads).
+RUN_ENV = dict(os.environ)
 PORT_TAKEN = re.compile(r"in use|cannot serve gRPC|cannot bind|EADDRINUSE|is port \d+ free")
 PREFILL_WORKERS = 2  # two of each: routing spreads chats over prefill workers, and the
 DECODE_WORKERS = 2  # fault tests kill one of a kind while the other carries on
@@ -195,6 +199,9 @@ def cluster(
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
         "OTEL_BSP_SCHEDULE_DELAY": "200",
+        # tests/e2e/test_kv_tier.py reads LMCache's INFO lines ("Retrieved ..."): whatever
+        # level the environment of the test run has, the workers log them.
+        "LMCACHE_LOG_LEVEL": "INFO",
     }
     log_root = tmp_path_factory.mktemp("logs")
     yield from run_cluster(log_root, PREFILL_WORKERS, DECODE_WORKERS, tier, tracing)
@@ -249,11 +256,11 @@ def _start_up(
     # heartbeat-reported usage lags by up to 2 s, and with sequential requests a stale value
     # would steer every new conversation to one worker; ties then rotate over both.
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        **{k: v for k, v in RUN_ENV.items() if not k.startswith("OTEL_")},
         "PDSERVE_GATEWAY_DISAGG_MIN_UNCACHED_TOKENS": "0",
         "PDSERVE_GATEWAY_KV_USAGE_WEIGHT": "0",
-        "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"])),
-        "no_proxy": ",".join(filter(None, [os.environ.get("no_proxy"), "127.0.0.1"])),
+        "NO_PROXY": ",".join(filter(None, [RUN_ENV.get("NO_PROXY"), "127.0.0.1"])),
+        "no_proxy": ",".join(filter(None, [RUN_ENV.get("no_proxy"), "127.0.0.1"])),
         **extra_env,
     }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import get_args
@@ -71,6 +72,17 @@ def test_only_the_named_kinds_are_checked(
     assert lmcache_deps.main(["redis"]) == 0
     assert fs not in seen
     assert "LMCache 0.5.6: every module of the KV tier imports (redis)" in capsys.readouterr().out
+
+
+def test_the_check_leaves_the_callers_environment_alone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("LMCACHE_LOG_LEVEL", raising=False)
+    _imports(monkeypatch, {})
+    before = dict(os.environ)
+    assert lmcache_deps.main(["cpu"]) == 0
+    assert dict(os.environ) == before
+    capsys.readouterr()
 
 
 def test_unknown_kind_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
