@@ -10,10 +10,12 @@ restarted A from the tier again. Every answer is token-identical to a monolithic
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from typing import Any
 
 import pytest
+import redis
 
 from tests.e2e.cases import tier_cases
 from tests.e2e.conftest import RealCluster
@@ -43,12 +45,25 @@ def retrieved_lines(cluster: RealCluster, worker: str) -> list[str]:
     return [line for line in log.splitlines() if "Retrieved" in line and "tokens" in line]
 
 
+def tier_keys(cluster: RealCluster) -> set[bytes]:
+    """The keys in the cluster's private tier Redis (its URL is in pdserve up's output)."""
+    out = (cluster.log_dir / "pdserve-up.out").read_text(errors="replace")
+    url = re.search(r"KV tier redis-server on (redis://\S+)", out)
+    assert url, "pdserve up did not say where the tier's redis-server is"
+    client = redis.Redis.from_url(url.group(1), socket_timeout=10)
+    try:
+        return set(client.keys("*"))
+    finally:
+        client.close()
+
+
 @pytest.mark.fault
 def test_a_prefix_is_computed_once_and_retrieved_from_the_tier_by_other_workers(
     cluster: RealCluster, reference: dict[str, Any]
 ) -> None:
     first, second, third = tier_cases()
     wait_until(lambda: whole(cluster), RECOVERY_S, "the cluster is whole")
+    before = tier_keys(cluster)
 
     a, usage, text = complete(cluster, first)
     assert a.startswith("prefill-"), a
@@ -56,6 +71,11 @@ def test_a_prefix_is_computed_once_and_retrieved_from_the_tier_by_other_workers(
     prompt_tokens = usage["prompt_tokens"]
     in_tier = prompt_tokens // CHUNK * CHUNK
     assert in_tier >= 2 * CHUNK, "the prompt must span several whole chunks"
+    # LMCache writes to the tier in the background, after A has answered: until every chunk
+    # is there, killing A would lose the ones not yet written (B would then compute them).
+    chunks = in_tier // CHUNK
+    wait_until(lambda: len(tier_keys(cluster) - before) >= chunks, RECOVERY_S,
+               f"the tier holds {a}'s {chunks} chunks")  # fmt: skip
 
     kills = Kills(cluster)
     kills.kill(a)  # A's own cache is gone; the tier still holds what A computed
@@ -66,9 +86,11 @@ def test_a_prefix_is_computed_once_and_retrieved_from_the_tier_by_other_workers(
     assert retrieved_lines(cluster, b), f"{b}'s log shows no tier retrieval"
 
     kills.wait_back()  # A is back, with an empty cache
+    retrieved_before = len(retrieved_lines(cluster, a))  # its log goes on after the restart
     kills.kill(b)
     again, usage, text = complete(cluster, third)
     assert again == a, f"expected the restarted {a}, got {again}"
     assert usage["prompt_tokens_details"]["cached_tokens"] >= in_tier, usage
     assert text == reference[third["name"]]["text"]
+    assert len(retrieved_lines(cluster, a)) > retrieved_before, f"{a} did not use the tier"
     kills.wait_back()
