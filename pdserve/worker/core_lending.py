@@ -31,7 +31,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.worker.owned_dirs import alive
 
@@ -101,10 +101,7 @@ class CoreTable:
 
     def write(self, core: int, record: Record) -> None:
         """Only under ``locked()``."""
-        _RECORD.pack_into(
-            self._map, self._offset(core), record.busy, record.idle_since, record.borrower,
-            record.lent_steps, record.waited_ns, record.reclaimed,
-        )  # fmt: skip
+        _RECORD.pack_into(self._map, self._offset(core), *vars(record).values())
 
     def _offset(self, core: int) -> int:
         if not 0 <= core < self.size:
@@ -143,7 +140,7 @@ class Lender:
         waited for a borrower."""
         with self.table.locked():
             for core in self.cores:
-                self.table.write(core, _with(self.table.read(core), busy=1))
+                self.table.write(core, replace(self.table.read(core), busy=1))
         lent = [c for c in self.cores if self.table.read(c).borrower]
         if not lent:
             return 0.0
@@ -158,14 +155,14 @@ class Lender:
         waited = self._clock() - start
         with self.table.locked():
             record = self.table.read(self.cores[0])
-            self.table.write(self.cores[0], _with(record, waited_ns=record.waited_ns + waited))
+            self.table.write(self.cores[0], replace(record, waited_ns=record.waited_ns + waited))
         return waited / 1e9
 
     def step_ends(self) -> None:
         now = self._clock()
         with self.table.locked():
             for core in self.cores:
-                self.table.write(core, _with(self.table.read(core), busy=0, idle_since=now))
+                self.table.write(core, replace(self.table.read(core), busy=0, idle_since=now))
 
     def _reclaim(self, cores: list[int]) -> None:
         with self.table.locked():
@@ -173,7 +170,7 @@ class Lender:
                 record = self.table.read(core)
                 if record.borrower:
                     self.table.write(
-                        core, _with(record, borrower=0, reclaimed=record.reclaimed + 1)
+                        core, replace(record, borrower=0, reclaimed=record.reclaimed + 1)
                     )
 
 
@@ -206,7 +203,7 @@ class Borrower:
                 idle = not record.busy and now - record.idle_since >= self.idle_for_ns
                 if idle and not record.borrower:
                     self.table.write(
-                        core, _with(record, borrower=self.pid, lent_steps=record.lent_steps + 1)
+                        core, replace(record, borrower=self.pid, lent_steps=record.lent_steps + 1)
                     )
                     self.held.append(core)
         return self.home + len(self.held)
@@ -218,9 +215,5 @@ class Borrower:
             for core in self.held:
                 record = self.table.read(core)
                 if record.borrower == self.pid:  # not taken back meanwhile
-                    self.table.write(core, _with(record, borrower=0))
+                    self.table.write(core, replace(record, borrower=0))
         self.held = []
-
-
-def _with(record: Record, **changes: int) -> Record:
-    return Record(**{**record.__dict__, **changes})

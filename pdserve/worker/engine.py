@@ -18,7 +18,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.placement import format_cores
+from pdserve.placement import format_cores, parse_cores
 from pdserve.settings import sets_flag
 from pdserve.worker import kv_tier, owned_dirs, vllm_plugin
 from pdserve.worker.config import WorkerSettings
@@ -202,9 +202,6 @@ def lending_env(settings: WorkerSettings) -> tuple[dict[str, str], str]:
     engine's own core, and the threads on borrowed cores are the ones a step may leave out.
     vLLM binds threads in ascending core order, so the borrower binds them itself.
     """
-    from pdserve.placement import parse_cores
-    from pdserve.worker import vllm_plugin
-
     if not settings.cpu_cores or settings.cpu_cores == "nobind":
         raise ValueError("--cpu-lending needs the engine's own --cpu-cores (e.g. '1')")
     own = parse_cores(settings.cpu_cores)

@@ -50,7 +50,7 @@ class Load:
     cpu_lend_wait_seconds: float = 0.0
     cpu_lend_reclaims: int = 0
 
-    def add_lending(self, totals: Any) -> None:
+    def take_lending(self, totals: Any) -> None:
         """Take the lending table's counters of this worker's cores (a ``Record``)."""
         self.cpu_lent_steps = totals.lent_steps
         self.cpu_lend_wait_seconds = totals.waited_ns / 1e9

@@ -233,7 +233,7 @@ def lending_counters(settings: WorkerSettings, load: Load) -> Callable[[], None]
     from pdserve.worker.core_lending import CoreTable
 
     table, cores = CoreTable(settings.cpu_lending), parse_cores(settings.cpu_cores)
-    return lambda: load.add_lending(table.totals(cores))
+    return lambda: load.take_lending(table.totals(cores))
 
 
 async def _run_until_stopped(

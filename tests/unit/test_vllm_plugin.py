@@ -189,14 +189,22 @@ def test_a_step_is_wrapped_from_its_forward_pass_to_its_sampling() -> None:
     assert log == ["begins", "execute", "ends"]
 
 
+def _lending_table(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new table of two cores, named to the engine's processes as the worker does."""
+    from pdserve.worker.core_lending import CoreTable
+
+    path = str(tmp_path / "cpu-lending")
+    CoreTable.create(path, 2)
+    monkeypatch.setenv(vllm_plugin.LENDING_ENV, path)
+    return path
+
+
 def test_a_borrower_step_sets_the_threads_it_may_use(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pdserve.worker.core_lending import CoreTable, Lender
 
-    path = str(tmp_path / "cpu-lending")
-    CoreTable.create(path, 2)
-    monkeypatch.setenv(vllm_plugin.LENDING_ENV, path)
+    path = _lending_table(tmp_path, monkeypatch)
     monkeypatch.setenv(vllm_plugin.OWN_ENV, "1")
     monkeypatch.setenv(vllm_plugin.BORROW_ENV, "0")
     threads: list[int] = []
@@ -219,9 +227,7 @@ def test_an_owner_step_that_never_began_does_not_reset_its_idle_time(
 ) -> None:
     from pdserve.worker.core_lending import CoreTable
 
-    path = str(tmp_path / "cpu-lending")
-    CoreTable.create(path, 2)
-    monkeypatch.setenv(vllm_plugin.LENDING_ENV, path)
+    path = _lending_table(tmp_path, monkeypatch)
     monkeypatch.setenv(vllm_plugin.LEND_ENV, "0")
     monkeypatch.delenv(vllm_plugin.BORROW_ENV, raising=False)
     step = vllm_plugin.LendingStep()
