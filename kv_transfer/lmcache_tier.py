@@ -14,6 +14,13 @@ What it adds to vLLM's ``LMCacheConnectorV1``:
   blocks, which only an engine with the same ISA, dtype, block size and model may read.
 - LMCache that failed to start is an error, not a silent "recompute everything" mode: the
   engine (and so the worker) refuses to start and says why.
+- A request that ends before it was ever scheduled after its lookup (a client that went away
+  while the engine had no KV blocks for it) gives back what the lookup pinned. LMCache's
+  lookup pins the chunks it finds in the worker's CPU buffer until the request's first step;
+  without a step, its scheduler side has no way to reach the worker and the pins stayed
+  (until LMCache's pin monitor forced them free after 300 s) with the request's lookup state
+  on both sides. The scheduler side now names such requests in the next step's metadata and
+  the worker side unpins them.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from kv_transfer import compat
 from kv_transfer.errors import UnsupportedKVCache
 
 log = logging.getLogger(__name__)
+# The attribute of a step's LMCache metadata that names the lookups to give back.
+UNPIN = "pdserve_unpin"
 
 
 class TierUnavailable(RuntimeError):
@@ -77,6 +86,7 @@ class PdserveTierConnector(LMCacheConnectorV1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         install_cpu_copier(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        self._unpin: list[str] = []  # scheduler side: lookups to give back at the next step
         self._check_started("start")
 
     @classmethod
@@ -84,6 +94,41 @@ class PdserveTierConnector(LMCacheConnectorV1):  # type: ignore[misc]
         from kv_transfer.lifecycle import NoPromMetrics
 
         return NoPromMetrics(*args)  # MultiConnector needs one from every child with stats
+
+    # Scheduler side.
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        self._forget_lookup(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        setattr(meta, UNPIN, tuple(self._unpin))
+        self._unpin.clear()
+        return meta
+
+    def _forget_lookup(self, req_id: str) -> None:
+        """A finished request still holding a lookup result was never scheduled after it:
+        drop the scheduler's state for it and have the worker unpin what it pinned."""
+        impl = self._lmcache_engine
+        client = getattr(impl, "lookup_client", None)
+        # The async lookup client cancels its own lookups on abort (LMCache's adapter).
+        if client is None or getattr(impl, "async_loading", False):
+            return
+        if client.lookup_cache(lookup_id=req_id) == -1:
+            return
+        client.clear_lookup_status(req_id)
+        impl.load_specs.pop(req_id, None)
+        impl._requests_priority.pop(req_id, None)
+        self._unpin.append(req_id)
+
+    # Worker side.
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        engine = getattr(self._lmcache_engine, "lmcache_engine", None)
+        if engine is None:  # no LMCache engine here: nothing was pinned
+            return
+        for req_id in getattr(connector_metadata, UNPIN, ()):
+            engine.lookup_unpin(req_id)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)  # LMCache finishes starting here (workers)

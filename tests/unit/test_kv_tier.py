@@ -71,3 +71,55 @@ def test_engine_connector_is_the_handoff_alone_or_a_multiconnector_with_the_tier
     assert children[0]["kv_connector_extra_config"]["kv_port"] == settings().kv_port
     # What the worker reports (and its abort/release path keys on) is the hand-off connector.
     assert handoff_connector(tiered) == handoff_connector(plain) == "PdserveConnector"
+
+
+class Lookups:
+    """LMCache's synchronous lookup client as the scheduler side sees it: a result per id
+    until the request is scheduled (-1: none)."""
+
+    def __init__(self, **found: int) -> None:
+        self.found = dict(found)
+
+    def lookup_cache(self, lookup_id: str) -> int:
+        return self.found.get(lookup_id, -1)
+
+    def clear_lookup_status(self, lookup_id: str) -> None:
+        self.found.pop(lookup_id, None)
+
+
+def test_lookups_of_requests_that_never_ran_reach_the_worker_across_processes() -> None:
+    """The scheduler side names them in the next step's metadata, which reaches the worker
+    pickled (vLLM's executor), and the worker unpins each; tests/e2e/test_tier_lookup_pins.py
+    shows the pins on a real engine."""
+    import pickle
+    from types import SimpleNamespace
+
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorMetadata
+
+    from kv_transfer.lmcache_tier import PdserveTierConnector
+
+    scheduler = object.__new__(PdserveTierConnector)
+    scheduler._unpin = []
+    scheduler._lmcache_engine = SimpleNamespace(
+        lookup_client=Lookups(never_ran=64, ran=0), async_loading=False,
+        load_specs={"never_ran": object()}, _requests_priority={"never_ran": 0},
+        request_finished=lambda request, blocks: (False, None),
+        build_connector_meta=lambda output: LMCacheConnectorMetadata(),
+    )  # fmt: skip
+    scheduler._lmcache_engine.lookup_client.clear_lookup_status("ran")  # it was scheduled
+    for req_id in ("never_ran", "ran"):
+        scheduler.request_finished(SimpleNamespace(request_id=req_id), [])
+    assert scheduler._lmcache_engine.load_specs == {}
+    assert scheduler._lmcache_engine._requests_priority == {}
+    first = pickle.loads(pickle.dumps(scheduler.build_connector_meta(None)))
+    second = pickle.loads(pickle.dumps(scheduler.build_connector_meta(None)))
+
+    unpinned: list[str] = []
+    worker = object.__new__(PdserveTierConnector)
+    worker._lmcache_engine = SimpleNamespace(
+        lmcache_engine=SimpleNamespace(lookup_unpin=unpinned.append),
+        bind_connector_metadata=lambda meta: None,
+    )
+    worker.bind_connector_metadata(first)
+    worker.bind_connector_metadata(second)
+    assert unpinned == ["never_ran"]  # once, and only the request that never ran
