@@ -306,7 +306,7 @@ def test_ready_banner_has_a_runnable_curl_line() -> None:
     expected = (
         "curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' "
         """-d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": """
-        """"What is the capital of France?"}], "max_tokens": 32, "temperature": 0}'"""
+        """"Name three primary colors."}], "max_tokens": 32, "temperature": 0}'"""
     )
     assert expected in banner.splitlines()[5]
     assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in banner
