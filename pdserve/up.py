@@ -52,8 +52,8 @@ from pdserve.worker.core_lending import CoreTable
 PROBE_RPC_TIMEOUT_S = 1.5
 # Children print as they go, so that a log tail shows the last thing that happened.
 CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
-# Answered the same by the default model in float32 and in bfloat16 ("The capital of France"
-# is not: in bfloat16 this 135M model answers it with a French phrase, as plain vLLM does).
+# The default model names red, blue and yellow in float32 and in bfloat16 (asked for the
+# capital of France, it answers with a French phrase in bfloat16, as plain vLLM does).
 QUESTION = "Name three primary colors."
 
 
