@@ -111,7 +111,8 @@ class PdserveTierConnector(LMCacheConnectorV1):  # type: ignore[misc]
         drop the scheduler's state for it and have the worker unpin what it pinned."""
         impl = self._lmcache_engine
         client = getattr(impl, "lookup_client", None)
-        # The async lookup client cancels its own lookups on abort (LMCache's adapter).
+        # Only LMCache's synchronous lookup client (its default, the one pdserve runs) is
+        # handled here; with async loading LMCache's adapter cancels the lookup on abort.
         if client is None or getattr(impl, "async_loading", False):
             return
         if client.lookup_cache(lookup_id=req_id) == -1:
