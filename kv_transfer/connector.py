@@ -92,24 +92,38 @@ class PdserveConnector(KVConnectorBase_V1):
             },
         )
         self.port_offset = rank
+        self._started: StepMetadata | None = None  # the last metadata whose jobs started
 
     # ---------------------------------------------------------------- worker hooks
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.worker is not None
         self.worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, bound before its forward pass: its jobs start now.
+
+        vLLM starts asynchronous loads (``start_load_kv``) after the forward pass, which on a
+        GPU is only launched by then; on the CPU the pass has run to its end, so a pull
+        started there finishes during the next step and its request computes a step later
+        still. Started here, the transfer process pulls while the engine computes this step,
+        and the request computes in the next one."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is None or not isinstance(connector_metadata, StepMetadata):
+            return
+        if connector_metadata is self._started:
+            return  # bound again: its jobs run already
+        self._started = connector_metadata
+        # TP rank r pulls from, and releases on, the producer's rank r (kv_port + r): every
+        # rank's agent pins its own share of the blocks.
+        for job in connector_metadata.pull:
+            if job.port:
+                job.port += self.port_offset
+        for rel in connector_metadata.release:
+            rel.port += self.port_offset
+        self.worker.start_jobs(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self.worker is not None
-        meta = self._get_connector_metadata()
-        if isinstance(meta, StepMetadata):
-            # TP rank r pulls from, and releases on, the producer's rank r (kv_port + r):
-            # every rank's agent pins its own share of the blocks.
-            for job in meta.pull:
-                if job.port:
-                    job.port += self.port_offset
-            for rel in meta.release:
-                rel.port += self.port_offset
-            self.worker.start_jobs(meta)
+        return None  # the step's jobs started when its metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous and complete before the request is scheduled

@@ -224,3 +224,34 @@ def test_a_forged_hand_off_is_never_released() -> None:
     consumer.on_new_request(request)
     consumer.request_finished(request)
     assert consumer.build_meta(meta_output()).release == []
+
+
+def test_a_step_s_pulls_start_when_its_metadata_is_bound_before_the_forward_pass() -> None:
+    """vLLM binds a step's metadata before its forward pass and calls ``start_load_kv`` after
+    it (for asynchronous loads): on the CPU the pass has ended by then, so the pulls must
+    start at the binding, once per step, each on its TP rank's port."""
+    from kv_transfer.connector import PdserveConnector
+    from kv_transfer.metadata import PullJob, ReleaseJob, StepMetadata
+
+    started: list[StepMetadata] = []
+    connector = object.__new__(PdserveConnector)
+    connector.worker = SimpleNamespace(start_jobs=started.append)  # type: ignore[assignment]
+    connector.port_offset = 1
+    connector._started = None
+    meta = StepMetadata(
+        pull=[PullJob("r1", "10.0.0.2", 15100, "p1", [3, 4], [7, 8])],
+        release=[ReleaseJob("10.0.0.2", 15100, "p0")],
+    )
+    connector.bind_connector_metadata(meta)
+    assert started == [meta]  # before the forward pass, when nothing else has run
+    connector.start_load_kv(None)  # after the forward pass: nothing more to start
+    connector.bind_connector_metadata(meta)  # bound again: not pulled twice
+    assert started == [meta]
+    assert meta.pull[0].port == 15101 and meta.release[0].port == 15101  # rank 1, once
+    empty = StepMetadata()
+    connector.bind_connector_metadata(empty)
+    assert started == [meta, empty]
+
+    scheduler = object.__new__(PdserveConnector)  # the scheduler's instance has no worker half
+    scheduler.worker = None
+    scheduler.bind_connector_metadata(StepMetadata(pull=[PullJob("r2", "h", 1, "p", [1], [2])]))
