@@ -4,7 +4,8 @@
 Two users, one receiver: the e2e tier starts one in its own process (``start()``) and reads
 every span back, flattened; ``pdserve bench gateway --tracing`` runs one as a separate process
 (``python -m pdserve.otlp_receiver``, as a collector would be), which only counts spans per
-service and answers ``GET /stats`` with the counts as JSON.
+service and answers ``GET /stats`` with the counts as JSON (``--dump FILE``: and writes every
+span to FILE when stopped).
 
 Only what those need: no auth, no JSON encoding, gzip accepted (the exporters' option).
 """
@@ -154,16 +155,27 @@ def start(keep: bool = True) -> Receiver:
     return receiver
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Count spans on a free loopback port until SIGTERM/SIGINT; print ``{"port": PORT}`` as
-    one JSON line once listening."""
-    receiver = start(keep=False)
+    one JSON line once listening. ``--dump FILE``: keep every span and write them to FILE as
+    a JSON list at the end (what ``pdserve.trace_hops`` and ``pdserve.trace_waterfall``
+    read)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pdserve.otlp_receiver")
+    parser.add_argument("--dump", default="", help="write every span received to this file")
+    args = parser.parse_args(argv)
+    receiver = start(keep=bool(args.dump))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(json.dumps({"port": receiver.server.server_address[1]}), flush=True)
     stop.wait()
     receiver.close()
+    if args.dump:
+        with receiver.lock, open(args.dump, "w") as f:
+            json.dump([span.as_json() for span in receiver.spans], f)
+        print(f"{len(receiver.spans)} spans written to {args.dump}", flush=True)
     return 0
 
 
