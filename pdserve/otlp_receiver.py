@@ -155,6 +155,18 @@ def start(keep: bool = True) -> Receiver:
     return receiver
 
 
+def load_dump(path: str) -> list[dict[str, Any]] | None:
+    """The spans of a ``--dump`` file as JSON objects; None, said on stderr, when it cannot
+    be read."""
+    try:
+        with open(path) as f:
+            spans = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"cannot read {path}: {exc}", file=sys.stderr)
+        return None
+    return list(spans)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Count spans on a free loopback port until SIGTERM/SIGINT; print ``{"port": PORT}`` as
     one JSON line once listening. ``--dump FILE``: keep every span and write them to FILE as

@@ -12,11 +12,12 @@ counted and left out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
 from typing import Any
+
+from pdserve.otlp_receiver import load_dump
 
 GATEWAY, PREFILL, DECODE = "pdserve-gateway", "pdserve-prefill", "pdserve-decode"
 P_RPC, D_RPC = "pdserve.v1.PrefillWorker/Prefill", "pdserve.v1.DecodeWorker/Decode"
@@ -84,11 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("spans", help="JSON list of spans (otlp_receiver --dump)")
     args = parser.parse_args(argv)
-    try:
-        with open(args.spans) as f:
-            spans = json.load(f)
-    except (OSError, ValueError) as exc:
-        print(f"cannot read {args.spans}: {exc}", file=sys.stderr)
+    spans = load_dump(args.spans)
+    if spans is None:
         return 2
     values, left_out = hops(spans)
     requests = len(next(iter(values.values())))

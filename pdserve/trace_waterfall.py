@@ -9,10 +9,11 @@ follow the span tree (children under their parent, by start time), one colour pe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from typing import Any
+
+from pdserve.otlp_receiver import load_dump
 
 COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 
@@ -88,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spans", help="JSON list of one trace's spans")
     parser.add_argument("out", help="PNG to write")
     args = parser.parse_args(argv)
-    try:
-        with open(args.spans) as f:
-            spans = json.load(f)
-    except (OSError, ValueError) as exc:
-        print(f"cannot read {args.spans}: {exc}", file=sys.stderr)
+    spans = load_dump(args.spans)
+    if spans is None:
         return 2
     if not spans:
         print(f"{args.spans} holds no spans", file=sys.stderr)
