@@ -155,16 +155,26 @@ def start(keep: bool = True) -> Receiver:
     return receiver
 
 
+# What every span of a dump has (``Span.as_json`` writes these and more).
+DUMP_KEYS = ("service", "name", "span_id", "start_ns", "end_ns")
+
+
 def load_dump(path: str) -> list[dict[str, Any]] | None:
     """The spans of a ``--dump`` file as JSON objects; None, said on stderr, when it cannot
-    be read."""
+    be read or is not a list of spans."""
     try:
         with open(path) as f:
             spans = json.load(f)
     except (OSError, ValueError) as exc:
         print(f"cannot read {path}: {exc}", file=sys.stderr)
         return None
-    return list(spans)
+    if not isinstance(spans, list) or not all(
+        isinstance(span, dict) and all(key in span for key in DUMP_KEYS) for span in spans
+    ):
+        print(f"{path} is not a list of spans (each with {', '.join(DUMP_KEYS)})",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return spans
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,7 @@ def hops(spans: list[dict[str, Any]]) -> tuple[dict[str, list[float]], int]:
     out."""
     traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in spans:
-        traces[span["trace_id"]].append(span)
+        traces[str(span.get("trace_id", ""))].append(span)
     values: dict[str, list[float]] = {label: [] for label, _, _ in HOPS}
     left_out = 0
     for trace in traces.values():

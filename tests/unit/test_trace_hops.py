@@ -65,6 +65,11 @@ def test_the_table_is_printed_and_bad_input_is_an_error(tmp_path: Path, capsys: 
     assert main([str(tmp_path / "none.json")]) == 1
     assert main([str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "object.json").write_text(json.dumps({"spans": trace("a", REQUEST)}))
+    assert main([str(tmp_path / "object.json")]) == 2
+    (tmp_path / "keyless.json").write_text(json.dumps([{"name": "kv.pull"}]))
+    assert main([str(tmp_path / "keyless.json")]) == 2
+    assert "is not a list of spans" in capsys.readouterr().err
 
 
 def test_the_receiver_dumps_every_span_it_received(tmp_path: Path) -> None:
