@@ -37,6 +37,8 @@ HOPS: tuple[tuple[str, tuple[str, str, str], tuple[str, str, str]], ...] = (
     ("decode engine: first step", (DECODE, PROMPT, "start"), (DECODE, PROMPT, "end")),
     ("request to its first step", (GATEWAY, "", "start"), (DECODE, PROMPT, "end")),
 )
+# The spans a trace needs for every hop: (service, name).
+NEEDED = frozenset((service, name) for _, a, b in HOPS for service, name, _ in (a, b))
 
 
 def _spans_by_name(trace: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -59,8 +61,7 @@ def hops(spans: list[dict[str, Any]]) -> tuple[dict[str, list[float]], int]:
     left_out = 0
     for trace in traces.values():
         named = _spans_by_name(trace)
-        ends = [edge for _, a, b in HOPS for edge in (a, b)]
-        if any((service, name) not in named for service, name, _ in ends):
+        if not NEEDED.issubset(named):
             left_out += 1
             continue
         for label, (s1, n1, e1), (s2, n2, e2) in HOPS:
