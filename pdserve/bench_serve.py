@@ -33,11 +33,12 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from pdserve import bench_report, machine
+from pdserve import bench_serve_together as together
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "mixed")
 SYSTEMS = ("pdserve", "vllm")
@@ -84,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=None,
         help="rounds, each running every system in turn, the order alternating; ratios are "
         "the medians over rounds (default 1; --tracing compare: 2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--together", action="store_true",
+        help="start each system once and keep both up, their runs back to back in every "
+        "round (a new seed each round); CPU only (pdserve.bench_serve_together)",
     )  # fmt: skip
     parser.add_argument(
         "--trace-ratio", type=float, default=1.0,
@@ -229,6 +235,13 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
         yield f"http://127.0.0.1:{port}"
 
 
+def server(
+    system: str, args: argparse.Namespace, model: str, name: str, out: Path
+) -> AbstractContextManager[str]:
+    """The server of ``system`` ("pdserve" or "vllm"), up until the block ends: its URL."""
+    return pdserve_cluster(args, out) if system == "pdserve" else monolith(args, model, name, out)
+
+
 # ---- workloads ---------------------------------------------------------------------------
 def _client_argv(base_url: str, model: str, name: str, result: Path) -> list[str]:
     return [sys.executable, "-m", "pdserve.vllm_cli", "bench", "serve", "--backend", "openai",
@@ -343,6 +356,9 @@ def _settings_problem(args: argparse.Namespace, workloads: list[str]) -> str:
         return "--rounds must be at least 1"
     if not 0 < args.trace_ratio <= 1:
         return "--trace-ratio must be in (0, 1]"
+    problem = together.settings_problem(args)
+    if problem:
+        return problem
     try:
         for w in workloads:
             workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names
@@ -376,12 +392,16 @@ def run(args: argparse.Namespace) -> int:
               f"rounds of pdserve {arms}; results in {out}")  # fmt: skip
         return bench_serve_tracing.run(args, out, model, name, info)
     args.rounds = args.rounds or 1
-    print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}; "
+    held_up = " (both held up: --together)" if args.together else ""
+    print(f"  workloads {', '.join(workloads)}; systems {', '.join(systems)}{held_up}; "
           f"{args.rounds} round(s); results in {out}")  # fmt: skip
-    rounds = [
-        run_round(r, systems if r % 2 else systems[::-1], workloads, args, model, name, out)
-        for r in range(1, args.rounds + 1)
-    ]
+    with together.held_servers(args, systems, model, name, out) as held:
+        rounds = [
+            run_round(
+                r, systems if r % 2 else systems[::-1], workloads, args, model, name, out, held
+            )
+            for r in range(1, args.rounds + 1)
+        ]
     report = bench_report.build(rounds, info, args)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     try:
@@ -402,28 +422,35 @@ def run(args: argparse.Namespace) -> int:
 
 def run_round(
     round_no: int, systems: list[str], workloads: list[str], args: argparse.Namespace,
-    model: str, name: str, out: Path,
+    model: str, name: str, out: Path, held: dict[str, together.Held] | None = None,
 ) -> tuple[bench_report.Raw, dict[str, Any]]:  # fmt: skip
-    """One round: each system started, every workload through it, stopped. Its results and
-    pdserve's counters per workload (the /metrics difference across it)."""
+    """One round: each system started (or, in ``held``, already up), every workload through
+    it, stopped. Its results and pdserve's counters per workload (the /metrics difference
+    across it); with held systems also the CPU seconds each idle one spent meanwhile."""
     raw: bench_report.Raw = {}
     counters: dict[str, Any] = {}
+    held = held or {}
     tag = f"-r{round_no}" if args.rounds > 1 else ""
+    settings = together.round_args(args, round_no)
     for system in systems:
-        server = pdserve_cluster(args, out) if system == "pdserve" else None
-        server = server or monolith(args, model, name, out)
-        with server as url:
+        with together.serving(system, held, args, model, name, out) as url:
             for i, workload in enumerate(workloads, 1):
                 where = f"{system}, round {round_no}" if tag else system
                 print(f"  [{where}] workload {i}/{len(workloads)}: {workload} ...", flush=True)
                 before = gateway_counters(url) if system == "pdserve" else {}
                 started = time.monotonic()
-                results = run_workload(workload, system + tag, url, args, model, name, out)
+                with together.idle_cpu(held, system) as idle:
+                    results = run_workload(workload, system + tag, url, settings, model, name, out)
+                took = time.monotonic() - started
                 for label, result in results.items():
                     raw.setdefault(label, {})[system] = result
                 if system == "pdserve":
                     after = gateway_counters(url)
                     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-                    counters[workload] = {"pdserve": {k: v for k, v in delta.items() if v}}
-                print(f"  [{where}] {workload} done in {time.monotonic() - started:.0f} s")
+                    counters.setdefault(workload, {})["pdserve"] = {
+                        k: v for k, v in delta.items() if v
+                    }
+                if idle:
+                    counters.setdefault(workload, {}).setdefault("idle_cpu_s", {}).update(idle)
+                print(f"  [{where}] {workload} done in {took:.0f} s{together.meanwhile(idle)}")
     return raw, counters
