@@ -92,6 +92,12 @@ def cpu_default_args(user: list[str], role: str = "") -> tuple[list[str], list[s
 # at first, and at most once it has waited a while (an eighth of the time waited so far).
 ENGINE_SPIN_PAUSE_S = "0.0002"
 ENGINE_SPIN_PAUSE_MAX_S = "0.002"
+# How long a borrowing engine's idle OpenMP threads spin before they sleep (libgomp counts
+# spins; its default, 300,000, is several milliseconds): long enough for the gaps between the
+# parallel regions of one step (microseconds), short enough that a thread does not keep its
+# core from the gateway and the workers' own processes for milliseconds after each step.
+# Measured: docs/benchmarks.md, "libgomp's spinning".
+BORROWER_SPIN_COUNT = "10000"
 # Memory allocators an engine may already have been given in LD_PRELOAD: the user's choice stands.
 PRELOADED_ALLOCATORS = ("libtcmalloc", "libjemalloc")
 # Where tcmalloc's shared library lives (Debian/Ubuntu: libtcmalloc-minimal4; RHEL: gperftools).
@@ -200,7 +206,9 @@ def lending_env(settings: WorkerSettings) -> tuple[dict[str, str], str]:
     starts an OpenMP thread for each of its own cores and each core it may borrow, each bound
     to its core, its own first: the model runner's thread is the first, so it stays on the
     engine's own core, and the threads on borrowed cores are the ones a step may leave out.
-    vLLM binds threads in ascending core order, so the borrower binds them itself.
+    vLLM binds threads in ascending core order, so the borrower binds them itself, and its
+    idle threads spin ``BORROWER_SPIN_COUNT`` times before they sleep (the user's
+    ``GOMP_SPINCOUNT`` stands).
     """
     if not settings.cpu_cores or settings.cpu_cores == "nobind":
         raise ValueError("--cpu-lending needs the engine's own --cpu-cores (e.g. '1')")
@@ -218,6 +226,7 @@ def lending_env(settings: WorkerSettings) -> tuple[dict[str, str], str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(len(own) + len(borrow)),
         "GOMP_CPU_AFFINITY": " ".join(str(core) for core in [*own, *borrow]),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", BORROWER_SPIN_COUNT),
     }
     return env, (
         f"core lending: steps on cores {format_cores(own)}, and on {format_cores(borrow)} "

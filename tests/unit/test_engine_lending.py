@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.worker import vllm_plugin
 from pdserve.worker.config import WorkerSettings
-from pdserve.worker.engine import lending_env
+from pdserve.worker.engine import BORROWER_SPIN_COUNT, lending_env
 
 
 class _Decode(WorkerSettings):
@@ -25,7 +25,8 @@ def test_a_lender_keeps_vllm_binding_and_names_its_cores() -> None:
     assert "cores 0 lent" in line
 
 
-def test_a_borrower_binds_its_own_threads_first() -> None:
+def test_a_borrower_binds_its_own_threads_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     env, line = lending_env(settings(cpu_cores="1", cpu_borrow="0"))
     assert env == {
         vllm_plugin.LENDING_ENV: "/run/table",
@@ -36,6 +37,8 @@ def test_a_borrower_binds_its_own_threads_first() -> None:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "2",
         "GOMP_CPU_AFFINITY": "1 0",
+        # Idle threads spin briefly, then sleep: the gateway and workers need the cores too.
+        "GOMP_SPINCOUNT": BORROWER_SPIN_COUNT,
     }
     assert "on cores 1, and on 0 too" in line
 
@@ -45,6 +48,14 @@ def test_a_borrower_leaves_out_its_own_cores_from_those_it_borrows() -> None:
     assert env[vllm_plugin.BORROW_ENV] == "0-1"
     assert env["GOMP_CPU_AFFINITY"] == "2 3 0 1"
     assert env["OMP_NUM_THREADS"] == "4"
+
+
+def test_the_users_spin_count_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITY")
+    env, _ = lending_env(settings(cpu_cores="1", cpu_borrow="0"))
+    assert env["GOMP_SPINCOUNT"] == "INFINITY"
+    lender, _ = lending_env(settings(cpu_cores="0"))
+    assert "GOMP_SPINCOUNT" not in lender  # an engine of one thread has none that spin
 
 
 @pytest.mark.parametrize(

@@ -207,6 +207,7 @@ def test_a_borrower_step_sets_the_threads_it_may_use(
     path = _lending_table(tmp_path, monkeypatch)
     monkeypatch.setenv(vllm_plugin.OWN_ENV, "1")
     monkeypatch.setenv(vllm_plugin.BORROW_ENV, "0")
+    bound = _bindings(monkeypatch, {1})
     threads: list[int] = []
     step = vllm_plugin.LendingStep(set_threads=threads.append)
     step.ends()  # no step began: nothing to end
@@ -220,6 +221,7 @@ def test_a_borrower_step_sets_the_threads_it_may_use(
     step.ends()
     owner.step_ends()
     assert threads == [2, 1]
+    assert bound == [[1]]  # the model runner's thread, on its own core once
 
 
 def test_an_owner_step_that_never_began_does_not_reset_its_idle_time(
@@ -237,3 +239,36 @@ def test_an_owner_step_that_never_began_does_not_reset_its_idle_time(
     assert ended > 0
     step.ends()  # a second end (e.g. sampling after a step already over) changes nothing
     assert CoreTable(path).read(0).idle_since == ended
+
+
+def _bindings(monkeypatch: pytest.MonkeyPatch, mask: set[int]) -> list[Any]:
+    """Record the calling thread's bindings instead of making them; its mask is ``mask``."""
+    bound: list[Any] = []
+    monkeypatch.setattr(vllm_plugin.os, "sched_getaffinity", lambda pid: set(mask))
+    monkeypatch.setattr(vllm_plugin.os, "sched_setaffinity", lambda pid, cores: bound.append(cores))
+    return bound
+
+
+@pytest.mark.parametrize(
+    ("mask", "expected"),
+    [
+        ({2}, [{0, 1, 2, 3}]),  # bound by libgomp to the first core: freed for the model runner
+        ({0, 1, 2, 3}, []),  # already all of them
+        (set(range(8)), []),  # the worker's own process, bound to more: left as it is
+    ],
+)
+def test_a_borrowing_engine_frees_the_thread_libgomp_bound_to_one_core(
+    monkeypatch: pytest.MonkeyPatch, mask: set[int], expected: list[set[int]]
+) -> None:
+    monkeypatch.setenv(vllm_plugin.OWN_ENV, "2-3")
+    monkeypatch.setenv(vllm_plugin.BORROW_ENV, "0-1")
+    bound = _bindings(monkeypatch, mask)
+    vllm_plugin.unbind_borrower()
+    assert bound == expected
+
+
+def test_an_engine_that_does_not_borrow_keeps_its_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_plugin.BORROW_ENV, raising=False)
+    bound = _bindings(monkeypatch, {1})
+    vllm_plugin.unbind_borrower()
+    assert bound == []
