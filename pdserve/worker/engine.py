@@ -92,6 +92,9 @@ def cpu_default_args(user: list[str], role: str = "") -> tuple[list[str], list[s
 # at first, and at most once it has waited a while (an eighth of the time waited so far).
 ENGINE_SPIN_PAUSE_S = "0.0002"
 ENGINE_SPIN_PAUSE_MAX_S = "0.002"
+# The scheduling class of a CPU engine's processes (see vllm_plugin.lower_priority); measured:
+# docs/benchmarks.md, "The engines give way".
+ENGINE_SCHED = "idle"
 # How long a borrowing engine's idle OpenMP threads spin before they sleep (libgomp counts
 # spins; its default, 300,000, is several milliseconds): long enough for the gaps between the
 # parallel regions of one step (microseconds), short enough that a thread does not keep its
@@ -170,6 +173,8 @@ def has_gpu() -> bool:
 def apply_environment(settings: WorkerSettings) -> None:
     """Environment that vLLM's engine processes read; set before the engine starts."""
     os.environ["PYTHONHASHSEED"] = str(settings.hash_seed)
+    # The worker's own process loads vLLM's plugins too; it keeps its scheduling class.
+    os.environ[vllm_plugin.OWNER_ENV] = str(os.getpid())
     if not has_gpu():
         # The engine-core and model-runner processes are spawned, so they start with it.
         why, ok = cpu_engine_env(os.environ)
@@ -182,6 +187,10 @@ def apply_environment(settings: WorkerSettings) -> None:
         longest = os.environ.setdefault(vllm_plugin.MAX_PAUSE_ENV, ENGINE_SPIN_PAUSE_MAX_S)
         log.info("engine default %s=%s %s=%s", vllm_plugin.PAUSE_ENV, pause,
                  vllm_plugin.MAX_PAUSE_ENV, longest)  # fmt: skip
+        # vllm_plugin: the engine's processes give way to the worker's, the gateway's and
+        # gRPC's threads (set the variable empty to keep them in the normal class).
+        sched = os.environ.setdefault(vllm_plugin.SCHED_ENV, ENGINE_SCHED)
+        log.info("engine default %s=%s", vllm_plugin.SCHED_ENV, sched)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores

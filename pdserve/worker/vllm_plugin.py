@@ -16,21 +16,30 @@ waited so far, up to this (default: no growth). A short wait (the model runner w
 the scheduler's next step) is seen within a fraction of a millisecond; a long one (the
 scheduler waiting for a model step) costs few wake-ups, each of which would take a core from
 an engine's OpenMP thread, and at most this much latency.
+
+``PDSERVE_ENGINE_SCHED``: "idle" puts the engine's processes (every vLLM process but the one
+named by ``PDSERVE_ENGINE_OWNER_PID``, the worker that runs the engine) in Linux's SCHED_IDLE
+class: any other runnable thread, such as the gateway's or the worker's own, takes a core from
+them at once when it wakes (``lower_priority``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
 PAUSE_ENV = "PDSERVE_ENGINE_SPIN_PAUSE_S"
 MAX_PAUSE_ENV = "PDSERVE_ENGINE_SPIN_PAUSE_MAX_S"
+SCHED_ENV = "PDSERVE_ENGINE_SCHED"
+OWNER_ENV = "PDSERVE_ENGINE_OWNER_PID"
 # A pause grows to this share of the time the reader has waited so far (up to the longest).
 GROWTH = 0.125
 
 
 def register() -> None:
+    lower_priority()
     install_pause()
     install_lending()
     unbind_borrower()
@@ -67,6 +76,22 @@ def install_pause() -> None:
         time.sleep(max(condition._pdserve_pause_s, pause))
 
     condition.wait = wait
+
+
+def lower_priority() -> None:
+    """Move every thread of this engine process to the SCHED_IDLE class (``SCHED_ENV`` "idle";
+    not in the process named by ``OWNER_ENV``). Threads and processes it starts later inherit
+    the class. On 2 cores, with both engines computing, the threads that carry tokens from the
+    decode engine to the client (the worker's, the gateway's, gRPC's) waited behind the
+    engines for a core, and tokens reached the client in bunches. A normal thread that wakes
+    takes a core from a SCHED_IDLE one at once. The engines share the cores between themselves
+    as before; a process that keeps a core busy for a long time (another job on the machine)
+    leaves them almost none."""
+    if os.environ.get(SCHED_ENV) != "idle" or os.environ.get(OWNER_ENV) == str(os.getpid()):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has ended meanwhile
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
 
 
 # Core lending (pdserve.worker.core_lending), set by the worker for its engine's processes

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from pdserve import otlp_receiver
@@ -94,6 +95,14 @@ class RealCluster:
 def _port_open(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def pid_on_port(port: int) -> int:
+    """The process listening on the loopback ``port`` (a worker's or the gateway's)."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return int(conn.pid)
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def _serving(port: int) -> bool:

@@ -10,13 +10,15 @@ token-identical to one monolithic engine, and the lending must show on ``/metric
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 
-from tests.e2e.conftest import RealCluster, run_cluster
+from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
 from tests.helpers import counted, metrics_text
 
@@ -56,3 +58,21 @@ async def test_steps_on_lent_cores_stay_token_identical(
     assert "core lending: steps on cores" in decode_log
     prefill_log = (cluster.log_dir / "prefill-0.log").read_text()
     assert "lent while the engine is idle" in prefill_log
+
+
+def test_the_engines_give_way_to_the_workers_and_the_gateway(
+    lending_cluster: RealCluster,
+) -> None:
+    """Every thread of both engines runs in the SCHED_IDLE class; the workers' own processes
+    and the gateway's stay in the normal one (pdserve.worker.vllm_plugin.lower_priority)."""
+    cluster = lending_cluster
+    gateway = pid_on_port(cluster.http_port)
+    assert os.sched_getscheduler(gateway) == os.SCHED_OTHER
+    for role in ("prefill", "decode"):
+        worker = psutil.Process(pid_on_port(cluster.ports[role]))
+        assert {os.sched_getscheduler(t.id) for t in worker.threads()} == {os.SCHED_OTHER}
+        engines = [p for p in worker.children(recursive=True) if "VLLM::" in " ".join(p.cmdline())]
+        assert engines, f"the {role} worker runs no engine process"
+        for engine in engines:
+            classes = {os.sched_getscheduler(t.id) for t in engine.threads()}
+            assert classes == {os.SCHED_IDLE}, (role, engine.cmdline(), classes)

@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import pytest
 
-from tests.e2e.conftest import DECODE_WORKERS, PREFILL_WORKERS, RealCluster
+from tests.e2e.conftest import DECODE_WORKERS, PREFILL_WORKERS, RealCluster, pid_on_port
 from tests.helpers import served_name
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(2400)]
@@ -137,10 +136,7 @@ def metric_sum(cluster: RealCluster, name: str, label: str = "") -> float:
 
 def group_on_port(port: int) -> int:
     """The process group of the worker listening on ``port`` (its engine is in it too)."""
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return os.getpgid(conn.pid)
-    raise AssertionError(f"nothing listens on port {port}")
+    return os.getpgid(pid_on_port(port))
 
 
 def reference_texts(cluster: RealCluster, prompts: list[str], max_tokens: int) -> list[str]:

@@ -112,7 +112,7 @@ def test_the_plugin_is_registered_with_vllm() -> None:
     assert "pdserve.worker.vllm_plugin:register" in names
 
 
-def test_a_cpu_worker_gives_its_engine_the_pauses_and_the_users_stand(
+def test_a_cpu_worker_gives_its_engine_the_pauses_and_the_idle_class_and_the_users_stand(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import os
@@ -121,17 +121,84 @@ def test_a_cpu_worker_gives_its_engine_the_pauses_and_the_users_stand(
     from pdserve.worker import engine
 
     monkeypatch.setattr(engine, "has_gpu", lambda: False)
-    for user in ({}, {vllm_plugin.PAUSE_ENV: "", vllm_plugin.MAX_PAUSE_ENV: "0.01"}):
+    names = (vllm_plugin.PAUSE_ENV, vllm_plugin.MAX_PAUSE_ENV, vllm_plugin.SCHED_ENV)
+    for user in ({}, dict(zip(names, ["", "0.01", ""], strict=True))):
         monkeypatch.setattr(os, "environ", {**os.environ, **user})
-        for name in (vllm_plugin.PAUSE_ENV, vllm_plugin.MAX_PAUSE_ENV):
+        for name in names:
             if name not in user:
                 os.environ.pop(name, None)
         engine.apply_environment(DecodeSettings(worker_id="d"))
         expected = user or {
             vllm_plugin.PAUSE_ENV: engine.ENGINE_SPIN_PAUSE_S,
             vllm_plugin.MAX_PAUSE_ENV: engine.ENGINE_SPIN_PAUSE_MAX_S,
+            vllm_plugin.SCHED_ENV: "idle",
         }
         assert {name: os.environ[name] for name in expected} == expected
+        assert os.environ[vllm_plugin.OWNER_ENV] == str(os.getpid())
+
+
+# ---- the engine processes' scheduling class ----------------------------------------------
+# lower_priority changes the scheduling class of the process that calls it, so each case runs
+# in a process of its own: the process's threads, one started before and one after, report it.
+PRIORITY_PROBE = """
+import os, sys, threading
+from pdserve.worker import vllm_plugin
+before = threading.Event()
+early = threading.Thread(target=before.wait)
+early.start()
+vllm_plugin.lower_priority()
+classes = {os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")}
+late = []
+thread = threading.Thread(target=lambda: late.append(os.sched_getscheduler(0)))
+thread.start()
+thread.join()
+before.set()
+print(sorted(classes | set(late)))
+"""
+
+
+def _classes(env: dict[str, str], probe: str = PRIORITY_PROBE) -> list[int]:
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in env and not k.startswith("PDSERVE_")}
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=base | env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return list(ast.literal_eval(out.stdout.strip()))
+
+
+def test_an_engine_process_gives_way_with_all_its_threads() -> None:
+    import os
+
+    env = {vllm_plugin.SCHED_ENV: "idle", vllm_plugin.OWNER_ENV: str(os.getpid())}
+    assert _classes(env) == [os.SCHED_IDLE]
+
+
+@pytest.mark.parametrize("value", ["", "normal"])
+def test_without_idle_the_engine_keeps_the_normal_class(value: str) -> None:
+    import os
+
+    env = {vllm_plugin.SCHED_ENV: value, vllm_plugin.OWNER_ENV: str(os.getpid())}
+    assert _classes(env) == [os.SCHED_OTHER]
+
+
+def test_the_worker_that_runs_the_engine_keeps_the_normal_class() -> None:
+    import os
+
+    # The probe names itself the owner: the worker's own process loads the plugin too.
+    probe = PRIORITY_PROBE.replace(
+        "vllm_plugin.lower_priority()",
+        "os.environ[vllm_plugin.OWNER_ENV] = str(os.getpid()); vllm_plugin.lower_priority()",
+    )
+    assert _classes({vllm_plugin.SCHED_ENV: "idle"}, probe) == [os.SCHED_OTHER]
 
 
 # ---- core lending: the model runner's step ------------------------------------------------
