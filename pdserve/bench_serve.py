@@ -92,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "round (a new seed each round); CPU only (pdserve.bench_serve_together)",
     )  # fmt: skip
     parser.add_argument(
+        "--vllm-engine-sched", choices=("normal", "idle"), default="normal",
+        help="idle: vllm serve's engine processes in the SCHED_IDLE class, as pdserve's are "
+        "on the CPU (default: as vLLM leaves them)",
+    )  # fmt: skip
+    parser.add_argument(
         "--trace-ratio", type=float, default=1.0,
         help="--tracing compare: share of the requests traced (default every one)",
     )  # fmt: skip
@@ -232,7 +237,25 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
     argv = monolith_argv(model, name, port, gpu=bool(gpus), engine_args=args.engine_args)
     with child_process(argv, env, log) as process:
         _wait_http(f"http://127.0.0.1:{port}/health", process, timeout_s, "vllm serve")
+        if args.vllm_engine_sched == "idle" and not gpus:
+            moved = engines_to_idle_class(process.pid)
+            print(f"  vllm serve's engine processes {moved} in the SCHED_IDLE class")
         yield f"http://127.0.0.1:{port}"
+
+
+def engines_to_idle_class(pid: int) -> list[int]:
+    """Move the vLLM engine processes (``VLLM::...``) under ``pid`` to the SCHED_IDLE class
+    (pdserve.worker.vllm_plugin.lower_priority does this for a worker's own at their start).
+    Their pids."""
+    import psutil
+
+    from pdserve.worker.vllm_plugin import to_idle_class
+
+    engines = [p for p in psutil.Process(pid).children(recursive=True)
+               if "VLLM::" in " ".join(p.cmdline())]  # fmt: skip
+    for engine in engines:
+        to_idle_class(engine.pid)
+    return [engine.pid for engine in engines]
 
 
 def server(
@@ -359,6 +382,11 @@ def _settings_problem(args: argparse.Namespace, workloads: list[str]) -> str:
     problem = together.settings_problem(args)
     if problem:
         return problem
+    if args.vllm_engine_sched == "idle":
+        from pdserve.placement import gpus_to_use
+
+        if gpus_to_use(args.gpus):
+            return "--vllm-engine-sched idle is for the CPU (pdserve's GPU engines keep theirs)"
     try:
         for w in workloads:
             workload_runs(w, args, Path(tempfile.gettempdir()))  # validates the names

@@ -89,7 +89,12 @@ def lower_priority() -> None:
     leaves them almost none."""
     if os.environ.get(SCHED_ENV) != "idle" or os.environ.get(OWNER_ENV) == str(os.getpid()):
         return
-    for tid in os.listdir("/proc/self/task"):
+    to_idle_class(os.getpid())
+
+
+def to_idle_class(pid: int) -> None:
+    """Move every thread of process ``pid`` to the SCHED_IDLE class."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):  # a thread that has ended meanwhile
             os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
 

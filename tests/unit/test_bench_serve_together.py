@@ -7,6 +7,7 @@ import argparse
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,52 @@ def test_a_round_runs_on_the_held_servers_with_the_rounds_prompts(
     assert counters["random"]["idle_cpu_s"] == {
         "pdserve while vllm ran": 0.0, "vllm while pdserve ran": 0.0
     }  # fmt: skip
+
+
+# ---- --vllm-engine-sched idle: the monolith's engine processes in pdserve's class ---------
+# A server that starts an engine process (named VLLM::... on its command line, as vLLM's are)
+# and another child; each prints its pid when it runs.
+SERVER = """
+import subprocess, sys, time
+code = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+for name in ("VLLM::EngineCore", "helper"):
+    subprocess.Popen([sys.executable, "-c", code, name])
+time.sleep(600)
+"""
+
+
+def test_the_monolith_engine_processes_move_to_the_idle_class() -> None:
+    import os
+
+    import psutil
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER])
+    try:
+        children: list[psutil.Process] = []
+        for _ in range(600):  # both children started (at most a minute)
+            children = psutil.Process(server.pid).children()
+            if len(children) == 2 and all(len(c.cmdline()) == 4 for c in children):
+                break
+            time.sleep(0.1)
+        engine = next(c for c in children if "VLLM::EngineCore" in c.cmdline())
+        helper = next(c for c in children if "helper" in c.cmdline())
+        assert bench_serve.engines_to_idle_class(server.pid) == [engine.pid]
+        assert {os.sched_getscheduler(t.id) for t in engine.threads()} == {os.SCHED_IDLE}
+        assert os.sched_getscheduler(helper.pid) == os.SCHED_OTHER
+        assert os.sched_getscheduler(server.pid) == os.SCHED_OTHER
+    finally:
+        for process in psutil.Process(server.pid).children():
+            process.kill()
+        server.kill()
+        server.wait()
+
+
+def test_the_idle_class_for_vllm_serve_is_refused_on_gpus(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve import placement
+
+    monkeypatch.setattr(placement, "gpus_to_use", lambda gpus: ["0"])
+    args = _args(vllm_engine_sched="idle", workloads="random")
+    assert bench_serve.run(args) == 2
+    assert "--vllm-engine-sched idle is for the CPU" in capsys.readouterr().err
