@@ -190,7 +190,11 @@ def apply_environment(settings: WorkerSettings) -> None:
         # vllm_plugin: the engine's processes give way to the worker's, the gateway's and
         # gRPC's threads (set the variable empty to keep them in the normal class).
         sched = os.environ.setdefault(vllm_plugin.SCHED_ENV, ENGINE_SCHED)
-        log.info("engine default %s=%s", vllm_plugin.SCHED_ENV, sched)
+        if sched in ("", "idle"):
+            log.info("engine default %s=%s", vllm_plugin.SCHED_ENV, sched)
+        else:
+            log.warning("%s=%s is neither 'idle' nor empty: the engine keeps the normal "
+                        "scheduling class", vllm_plugin.SCHED_ENV, sched)  # fmt: skip
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     if settings.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores

@@ -137,6 +137,21 @@ def test_a_cpu_worker_gives_its_engine_the_pauses_and_the_idle_class_and_the_use
         assert os.environ[vllm_plugin.OWNER_ENV] == str(os.getpid())
 
 
+def test_an_unknown_scheduling_class_is_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import os
+
+    from decode_service.config import DecodeSettings
+    from pdserve.worker import engine
+
+    monkeypatch.setattr(engine, "has_gpu", lambda: False)
+    monkeypatch.setattr(os, "environ", {**os.environ, vllm_plugin.SCHED_ENV: "batch"})
+    with caplog.at_level("WARNING"):
+        engine.apply_environment(DecodeSettings(worker_id="d"))
+    assert "PDSERVE_ENGINE_SCHED=batch is neither 'idle' nor empty" in caplog.text
+
+
 # ---- the engine processes' scheduling class ----------------------------------------------
 # lower_priority changes the scheduling class of the process that calls it, so each case runs
 # in a process of its own: the process's threads, one started before and one after, report it.
