@@ -144,7 +144,10 @@ class OpenAIResponder:
         if isinstance(event, Finish):
             state.finish = event
             return self.shaper.finish(state.spec.index, event)
-        if not event.text and not (self.logprobs and event.token_ids):
+        # A chunk for every token, as vLLM sends: a token whose text is still incomplete (part of
+        # a UTF-8 character) has an empty delta, and leaving it out made a client see the next
+        # token two steps late.
+        if not event.text and not event.token_ids:
             return None
         logprobs = self._logprobs_of(state, event.token_ids, event.logprobs)
         return self.shaper.delta(state.spec.index, event.text, logprobs)

@@ -94,6 +94,26 @@ async def test_completion_logprobs_and_echo() -> None:
     assert len(c.prefill.seen.requests) == 2
 
 
+async def test_a_token_with_no_text_yet_still_streams_its_chunk() -> None:
+    """A token that ends inside a UTF-8 character has an empty text delta; the stream sends
+    its chunk anyway, as vLLM does, so a client sees every token when it is generated."""
+    pieces = [(101, "a"), (102, ""), (103, "\u00e9"), (104, "b")]
+    cluster = gateway_cluster(decode=FakeDecode(tokens=pieces))
+    async with cluster as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        completion = await http.post(
+            "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 4, "stream": True, "ignore_eos": True},
+        )
+        chat = await http.post(
+            "/v1/chat/completions",
+            json={"messages": CHAT, "max_tokens": 4, "stream": True, "ignore_eos": True},
+        )
+    texts = [ch["choices"][0]["text"] for ch in parse_sse(completion.text)[:-1] if ch["choices"]]
+    assert texts[:4] == ["a", "", "\u00e9", "b"]
+    deltas = [ch["choices"][0]["delta"] for ch in parse_sse(chat.text)[:-1] if ch["choices"]]
+    assert [d.get("content") for d in deltas[1:5]] == ["a", "", "\u00e9", "b"]  # after the role
+
+
 async def test_chat_logprobs_stream_and_whole() -> None:
     async with gateway_cluster() as c:
         client = c.openai()
