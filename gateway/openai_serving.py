@@ -129,9 +129,7 @@ class OpenAIResponder:
                     text, logprobs = self._echo_delta(state)
                     yield fmt.sse(self.shaper.delta(state.spec.index, text, logprobs))
             async for position, event in merged(self.generations):
-                chunk = self._stream_event(self.states[position], event)
-                if chunk is not None:
-                    yield fmt.sse(chunk)
+                yield fmt.sse(self._stream_event(self.states[position], event))
             if self.shaper.include_usage:
                 yield fmt.sse(self.shaper.usage_chunk(self.usage()))
         except GatewayError as err:
@@ -140,14 +138,12 @@ class OpenAIResponder:
             yield fmt.sse(fmt.error_body(err.message, kind, err.param, err.code))
         yield "data: [DONE]\n\n"
 
-    def _stream_event(self, state: ChoiceState, event: TokenDelta | Finish) -> Any:
+    def _stream_event(self, state: ChoiceState, event: TokenDelta | Finish) -> dict[str, Any]:
         if isinstance(event, Finish):
             state.finish = event
             return self.shaper.finish(state.spec.index, event)
-        # A chunk for every token, as vLLM sends: a token whose text is still incomplete (part of
-        # a UTF-8 character) has an empty delta, and leaving it out made a client see the next
-        # token two steps late.
-        if not event.text and not event.token_ids:
-            return None
+        # A chunk for every delta, as vLLM sends: a token whose text is still incomplete (part
+        # of a UTF-8 character) has an empty text, and leaving it out made a client see the
+        # next token two steps late. (A delta has tokens or text: Generation._on_tokens.)
         logprobs = self._logprobs_of(state, event.token_ids, event.logprobs)
         return self.shaper.delta(state.spec.index, event.text, logprobs)
