@@ -237,25 +237,30 @@ def monolith(args: argparse.Namespace, model: str, name: str, out: Path) -> Iter
     argv = monolith_argv(model, name, port, gpu=bool(gpus), engine_args=args.engine_args)
     with child_process(argv, env, log) as process:
         _wait_http(f"http://127.0.0.1:{port}/health", process, timeout_s, "vllm serve")
-        if args.vllm_engine_sched == "idle" and not gpus:
+        if args.vllm_engine_sched == "idle":  # CPU only (_settings_problem)
             moved = engines_to_idle_class(process.pid)
             print(f"  vllm serve's engine processes {moved} in the SCHED_IDLE class")
         yield f"http://127.0.0.1:{port}"
 
 
-def engines_to_idle_class(pid: int) -> list[int]:
-    """Move the vLLM engine processes (``VLLM::...``) under ``pid`` to the SCHED_IDLE class
-    (pdserve.worker.vllm_plugin.lower_priority does this for a worker's own at their start).
-    Their pids."""
+def engine_processes(pid: int) -> list[Any]:
+    """The vLLM engine processes (``VLLM::...``, psutil processes) under process ``pid``."""
     import psutil
 
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "VLLM::" in " ".join(p.cmdline())]  # fmt: skip
+
+
+def engines_to_idle_class(pid: int) -> list[int]:
+    """Move the vLLM engine processes under ``pid`` to the SCHED_IDLE class
+    (pdserve.worker.vllm_plugin.lower_priority does this for a worker's own at their start).
+    Their pids."""
     from pdserve.worker.vllm_plugin import to_idle_class
 
-    engines = [p for p in psutil.Process(pid).children(recursive=True)
-               if "VLLM::" in " ".join(p.cmdline())]  # fmt: skip
-    for engine in engines:
-        to_idle_class(engine.pid)
-    return [engine.pid for engine in engines]
+    pids = [engine.pid for engine in engine_processes(pid)]
+    for engine_pid in pids:
+        to_idle_class(engine_pid)
+    return pids
 
 
 def server(

@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
+from pdserve import bench_serve
 from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
 from tests.helpers import counted, metrics_text
@@ -71,7 +72,7 @@ def test_the_engines_give_way_to_the_workers_and_the_gateway(
     for role in ("prefill", "decode"):
         worker = psutil.Process(pid_on_port(cluster.ports[role]))
         assert {os.sched_getscheduler(t.id) for t in worker.threads()} == {os.SCHED_OTHER}
-        engines = [p for p in worker.children(recursive=True) if "VLLM::" in " ".join(p.cmdline())]
+        engines = bench_serve.engine_processes(worker.pid)
         assert engines, f"the {role} worker runs no engine process"
         for engine in engines:
             classes = {os.sched_getscheduler(t.id) for t in engine.threads()}
