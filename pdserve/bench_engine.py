@@ -12,15 +12,18 @@ The engines run one after another, each alone on ``--cores``:
 
 Each is measured the same way: prefill tokens/s = prompt tokens / time to the first token of
 a fresh random prompt (median of ``--repeat``); decode tokens/s = tokens streamed by
-``--batch`` concurrent requests after all of them had their first token / that time. The
-ratios worker / bare engine of the same role are the per-engine overhead of pdserve (target:
-within 10%).
+``--batch`` concurrent requests after all of them had their first token / that time, and
+the gaps between one request's streamed tokens over that time (ITL p50 and p99: the decode
+step as the engine's caller sees it, with nothing else running). The ratios worker / bare
+engine of the same role, of the tokens/s figures, are the per-engine overhead of pdserve
+(target: within 10%).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="prefill prompt length")
     parser.add_argument("--batch", type=int, default=4, help="concurrent decode requests")
     parser.add_argument("--output-tokens", type=int, default=64, help="tokens per decode request")
+    parser.add_argument(
+        "--decode-prompt-tokens", type=int, default=16, help="prompt length of decode requests"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="prefills measured per engine")
     parser.add_argument("--engines", default="vllm,prefill,decode", help="which, in order")
     parser.add_argument(
@@ -69,7 +75,7 @@ async def measure(stream: Stream, args: argparse.Namespace, decode: bool) -> dic
         times.append(time.perf_counter() - started)
     result = {"prefill_tokens_per_s": args.prompt_tokens / statistics.median(times)}
     if decode:
-        result["decode_tokens_per_s"] = await _decode_rate(stream, args, prompt)
+        result.update(await _decode(stream, args, prompt))
     return result
 
 
@@ -78,18 +84,30 @@ async def _drain(tokens: AsyncIterator[int]) -> None:
         pass
 
 
-async def _decode_rate(stream: Stream, args: argparse.Namespace, prompt: Any) -> float:
+async def _decode(stream: Stream, args: argparse.Namespace, prompt: Any) -> dict[str, float]:
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(args.batch)]
 
     async def one(i: int) -> None:
-        async for count in stream(prompt(16), args.output_tokens):
+        async for count in stream(prompt(args.decode_prompt_tokens), args.output_tokens):
             arrivals[i].append((time.perf_counter(), count))
 
     await asyncio.gather(*(one(i) for i in range(args.batch)))
+    return decode_figures(arrivals)
+
+
+def decode_figures(arrivals: list[list[tuple[float, int]]]) -> dict[str, float]:
+    """From each request's (time, tokens) arrivals: tokens/s and the gaps between a request's
+    arrivals (ms), both over the time every request was streaming."""
     all_started = max(a[0][0] for a in arrivals)
     ended = max(a[-1][0] for a in arrivals)
     tokens = sum(n for a in arrivals for t, n in a if t > all_started)
-    return tokens / (ended - all_started)
+    gaps = [(t - before) * 1e3 for a in arrivals
+            for (before, _), (t, _) in itertools.pairwise(a) if before >= all_started]  # fmt: skip
+    figures = {"decode_tokens_per_s": tokens / (ended - all_started)}
+    if len(gaps) >= 2:
+        cuts = statistics.quantiles(gaps, n=100, method="inclusive")
+        figures |= {"decode_itl_p50_ms": cuts[49], "decode_itl_p99_ms": cuts[98]}
+    return figures
 
 
 # ---- the bare engine (child process) -----------------------------------------------------
@@ -188,7 +206,7 @@ def _run_bare(args: argparse.Namespace, role: str, log: Path, out: Path) -> dict
     argv = [sys.executable, "-m", "pdserve.bench_engine", "--child-json", str(out), "--role", role,
             "--cores", args.cores, "--prompt-tokens", str(args.prompt_tokens), "--batch",
             str(args.batch), "--output-tokens", str(args.output_tokens), "--repeat",
-            str(args.repeat)]  # fmt: skip
+            str(args.repeat), "--decode-prompt-tokens", str(args.decode_prompt_tokens)]  # fmt: skip
     with open(log, "wb") as log_file:
         code = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT).returncode
     if code != 0:
@@ -232,12 +250,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Each worker's rates over the bare engine's of its role."""
+    """Each worker's rates (tokens/s) over the bare engine's of its role."""
     ratios = {}
     for name in ("prefill", "decode"):
         bare = results.get(f"vllm_{name}", {})
         for key, value in results.get(name, {}).items():
-            if bare.get(key):
+            if key.endswith("_tokens_per_s") and bare.get(key):
                 ratios[f"{name}_{key.removesuffix('_tokens_per_s')}"] = value / bare[key]
     return ratios
 

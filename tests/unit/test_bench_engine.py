@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench_engine import _bare_rates, _engines, _medians, _ratios
+from pdserve.bench_engine import _bare_rates, _engines, _medians, _ratios, decode_figures
 
 
 def test_the_bare_engine_runs_once_per_worker_role_listed() -> None:
@@ -39,6 +39,22 @@ def test_each_worker_is_compared_with_the_bare_engine_of_its_role() -> None:
     assert _ratios(results) == pytest.approx(
         {"prefill_prefill": 0.9, "decode_prefill": 0.8, "decode_decode": 1.1}
     )
+    # Gaps are not rates: a worker's ITL gets no "speed" ratio beside its tokens/s.
+    results["decode"]["decode_itl_p99_ms"] = 30.0
+    results["vllm_decode"]["decode_itl_p99_ms"] = 25.0
+    assert "decode_decode_itl_p99_ms" not in _ratios(results)
+
+
+def test_decode_figures_count_only_the_time_every_request_streamed() -> None:
+    # Two requests: the second starts 1 s late; from then on both get a token every 10 ms,
+    # and the first has one 50 ms gap. Its earlier tokens count neither in the rate nor the gaps.
+    first = [(t / 1000, 1) for t in (0, 500, 1000, 1010, 1020, 1070, 1080, 1090)]
+    second = [(t / 1000, 1) for t in (1000, 1010, 1020, 1030, 1040, 1050, 1060, 1070)]
+    figures = decode_figures([first, second])
+    assert figures["decode_tokens_per_s"] == pytest.approx(12 / 0.090)
+    assert figures["decode_itl_p50_ms"] == pytest.approx(10.0)
+    assert 10.0 < figures["decode_itl_p99_ms"] <= 50.0
+    assert figures["decode_itl_p99_ms"] == pytest.approx(50.0, rel=0.2)
 
 
 def test_rounds_report_the_median_of_each_figure() -> None:
