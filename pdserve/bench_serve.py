@@ -8,7 +8,8 @@ KV cache. On a GPU machine both run on the GPUs (``--gpus``): pdserve's engines 
 their memory shares, the monolith alone on the first of those GPUs with vLLM's default memory
 share (0.9, what pdserve's engines on one GPU share: ``pdserve.up_gpu``). Workloads:
 
-- ``random``: fixed-length random prompts (default 512 in / 64 out, 32 prompts, concurrency 4);
+- ``random``: random prompts (default 512 in / 64 out, 32 prompts, concurrency 4), every one
+  the same length unless ``--range-ratio`` varies them;
 - ``shared_prefix``: prompts that share a few long prefixes (vLLM's ``prefix_repetition``);
 - ``multi_turn``: conversations whose every turn resends the whole history so far;
 - ``mixed``: long prompts arriving while short requests decode, the case disaggregation is
@@ -67,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="tokens per answer")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0,
+        help="random: lengths drawn from len*(1-r) to len*(1+r), in and out (vLLM's "
+        "--random-range-ratio; 0: every request the same, so they run in lock step)",
+    )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per workload")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--long-len", type=int, default=2048, help="mixed: long prompt tokens")
@@ -306,7 +312,8 @@ def workload_runs(
     if workload == "random":
         return [(workload, [*common, "--dataset-name", "random", "--random-input-len",
                             str(args.input_len), "--random-output-len", o, "--num-prompts", n,
-                            "--max-concurrency", c])]  # fmt: skip
+                            "--max-concurrency", c, "--random-range-ratio",
+                            str(args.range_ratio)])]  # fmt: skip
     if workload == "shared_prefix":
         prefix, suffix = args.input_len * 3 // 4, args.input_len // 4
         return [(workload, [*common, "--dataset-name", "prefix_repetition",
@@ -384,6 +391,8 @@ def _settings_problem(args: argparse.Namespace, workloads: list[str]) -> str:
         return "--rounds must be at least 1"
     if not 0 < args.trace_ratio <= 1:
         return "--trace-ratio must be in (0, 1]"
+    if not 0 <= args.range_ratio < 1:
+        return "--range-ratio must be in [0, 1)"
     problem = together.settings_problem(args)
     if problem:
         return problem
