@@ -10,8 +10,8 @@ import sys
 from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
+from pdserve import front_cores, tracing
 from pdserve import log as pdlog
-from pdserve import tracing
 from pdserve.grpc_server import stop_event_on_signals
 from pdserve.heap import freeze_startup_objects
 from pdserve.settings import cli_args, from_args
@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _serve(settings: GatewaySettings) -> int:
     from gateway.server import GatewayServer  # after logging is set up
 
+    front_cores.bind_this_process("gateway")  # before its threads start: they inherit it
     stop = stop_event_on_signals()
     server = GatewayServer(settings)
     try:

@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings
 
+from pdserve import front_cores, up_gpu, up_tier
 from pdserve import settings as shared
-from pdserve import up_gpu, up_tier
 from pdserve.backoff import Backoff
 from pdserve.placement import (
     Placement,
@@ -442,7 +442,10 @@ def run(args: argparse.Namespace) -> int:
     cores = usable_cores()
     table = lending_table(s, gpus, cores, log_dir)
     specs, warning = build_specs(s, gpus, cores, table)
-    specs = [*redis, *(replace(spec, env={**spec.env, **secret_env}) for spec in specs)]
+    front_env = front_cores_env(s, gpus, cores)
+    specs = [
+        *redis, *(replace(spec, env={**spec.env, **secret_env, **front_env}) for spec in specs)
+    ]  # fmt: skip
     if warning:
         print(warning, flush=True)
     banner = ready_banner(s, log_dir)
@@ -468,6 +471,18 @@ def lending_table(s: UpSettings, gpus: Sequence[str], cores: Sequence[int], log_
           "the prefill engines there have nothing to compute (--no-cpu-lending: off)",
           flush=True)  # fmt: skip
     return str(path)
+
+
+def front_cores_env(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> dict[str, str]:
+    """The gateway's and the workers' ``FRONT_ENV`` (``pdserve.front_cores``); prints where
+    their own threads run when it binds them."""
+    placements, _ = place_engines(s.prefill + s.decode, gpus, cores)
+    front = front_cores.front_cores(placements, s.prefill)
+    if front:
+        print(f"pdserve up: the gateway's and the workers' own threads run on the prefill "
+              f"engines' cores {front} ({front_cores.FRONT_ENV}= leaves them to the OS)",
+              flush=True)  # fmt: skip
+    return {front_cores.FRONT_ENV: front}
 
 
 def deployment_secret_env(log_dir: Path) -> dict[str, str]:

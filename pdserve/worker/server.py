@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from pdserve import __version__, tracing
+from pdserve import __version__, front_cores, tracing
 from pdserve.grpc_client import ERROR_REASON_METADATA
 from pdserve.grpc_server import GrpcServer, stop_event_on_signals
 from pdserve.heap import freeze_startup_objects
@@ -183,6 +183,9 @@ async def serve(
         log.error("the vLLM engine failed to start: %s (its log is above)", exc)
         await server.stop(0)
         return 1
+    # The engine's processes have their cores; this process's own threads go where pdserve up
+    # says they disturb the decode engine least (pdserve.front_cores).
+    front_cores.bind_this_process(settings.name)
     servicer.service = make_service(engine, settings, describe(engine))
     servicer.service.load = load
     if link is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ import psutil
 import pytest
 
 from pdserve import bench_serve
+from pdserve.placement import parse_cores
 from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
 from tests.helpers import counted, metrics_text
@@ -77,3 +79,38 @@ def test_the_engines_give_way_to_the_workers_and_the_gateway(
         for engine in engines:
             classes = {os.sched_getscheduler(t.id) for t in engine.threads()}
             assert classes == {os.SCHED_IDLE}, (role, engine.cmdline(), classes)
+
+
+def test_pdserves_own_threads_run_on_the_prefill_engines_cores(
+    lending_cluster: RealCluster,
+) -> None:
+    """The gateway's and the workers' own threads are bound to the prefill engine's cores
+    (pdserve.front_cores); the engines keep the cores they were started with."""
+    cluster = lending_cluster
+    up_log = (cluster.log_dir / "pdserve-up.out").read_text()
+    said = re.search(r"own threads run on the prefill engines' cores (\S+) \(", up_log)
+    assert said, up_log[-2000:]
+    front = set(parse_cores(said.group(1)))
+    prefill_engine = {c for e in _engines("prefill", cluster) for c in _cores(e)}
+    assert front == prefill_engine  # the prefill engine is bound to its own cores only
+    own = [pid_on_port(cluster.http_port)] + [pid_on_port(cluster.ports[r]) for r in ROLES]
+    for pid in own:
+        for thread in psutil.Process(pid).threads():
+            assert os.sched_getaffinity(thread.id) == front, (pid, thread.id)
+    decode_engine = {c for e in _engines("decode", cluster) for c in _cores(e)}
+    assert decode_engine - front, "the decode engine lost its own cores"
+    for role in ROLES:
+        assert "its own threads on cores" in (cluster.log_dir / f"{role}-0.log").read_text()
+
+
+ROLES = ("prefill", "decode")
+
+
+def _engines(role: str, cluster: RealCluster) -> list[psutil.Process]:
+    return bench_serve.engine_processes(pid_on_port(cluster.ports[role]))
+
+
+def _cores(engine: psutil.Process) -> set[int]:
+    """The cores the engine's computing threads (OpenMP's, bound by vLLM) run on."""
+    masks = [os.sched_getaffinity(t.id) for t in engine.threads()]
+    return set().union(*(m for m in masks if len(m) == min(map(len, masks))))
