@@ -44,6 +44,15 @@ def front_cores(
     return lendable_cores(placements, prefill)
 
 
+def setting_problem(environ: Mapping[str, str] = os.environ) -> str:
+    """What is wrong with a ``FRONT_ENV`` the user set ("" when nothing)."""
+    try:
+        parse_cores(environ.get(FRONT_ENV) or "0")
+    except ValueError as exc:
+        return f"{FRONT_ENV}: {exc}, or empty to leave the threads to the OS"
+    return ""
+
+
 def bind_this_process(who: str, environ: Mapping[str, str] = os.environ) -> list[int]:
     """Bind every thread of this process (threads it starts later inherit it) to the cores
     in ``FRONT_ENV``; the cores, [] when it is unset or empty or names no core this process

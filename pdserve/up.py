@@ -406,6 +406,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
         return 2
+    if front_cores.setting_problem():
+        print(f"pdserve up: {front_cores.setting_problem()}", file=sys.stderr)
+        return 2
     gpus = gpus_to_use(s.gpus)
     try:
         connector = up_gpu.connector_for(s.kv_connector, gpus)

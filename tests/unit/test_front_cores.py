@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import subprocess
@@ -104,3 +105,16 @@ def test_without_a_usable_core_list_the_process_keeps_its_cores(value: str | Non
     assert bound == []
     assert masks == [mine]
     assert late == list(mine)
+
+
+def test_up_refuses_a_setting_that_is_no_core_list(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve import up
+
+    monkeypatch.setenv(FRONT_ENV, "first")
+    assert up.run(argparse.Namespace()) == 2  # before anything starts
+    err = capsys.readouterr().err
+    assert "PDSERVE_FRONT_CORES: not a list of CPU cores: 'first'" in err
+    assert front_cores.setting_problem({FRONT_ENV: ""}) == ""
+    assert front_cores.setting_problem({FRONT_ENV: "0-1,3"}) == ""
