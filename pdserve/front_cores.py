@@ -15,12 +15,12 @@ prefill engine's core", has the measurement.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
 
 from pdserve.placement import Placement, lendable_cores, parse_cores
+from pdserve.worker.vllm_plugin import SCHED_ENV, for_each_thread
 
 FRONT_ENV = "PDSERVE_FRONT_CORES"
 
@@ -35,7 +35,6 @@ def front_cores(
     and the engines give way (``PDSERVE_ENGINE_SCHED`` idle, the CPU default); "" where not.
     A ``FRONT_ENV`` already set wins, empty for none."""
     from pdserve.worker.engine import ENGINE_SCHED
-    from pdserve.worker.vllm_plugin import SCHED_ENV
 
     if FRONT_ENV in environ:
         return environ[FRONT_ENV]
@@ -71,9 +70,7 @@ def bind_this_process(who: str, environ: Mapping[str, str] = os.environ) -> list
         log.warning("%s=%s names no core this process may use: %s keeps its cores",
                     FRONT_ENV, text, who)  # fmt: skip
         return []
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that has ended meanwhile
-            os.sched_setaffinity(int(tid), cores)
+    for_each_thread(os.getpid(), lambda tid: os.sched_setaffinity(tid, cores))
     log.info("%s: its own threads on cores %s (%s; the engines there give way to them)",
              who, text, FRONT_ENV)  # fmt: skip
     return cores

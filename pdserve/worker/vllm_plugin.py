@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 PAUSE_ENV = "PDSERVE_ENGINE_SPIN_PAUSE_S"
@@ -94,9 +95,15 @@ def lower_priority() -> None:
 
 def to_idle_class(pid: int) -> None:
     """Move every thread of process ``pid`` to the SCHED_IDLE class."""
+    for_each_thread(pid, lambda tid: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)))
+
+
+def for_each_thread(pid: int, act: Callable[[int], Any]) -> None:
+    """``act(tid)`` for every thread of process ``pid``; a thread that ends meanwhile (or any
+    other OSError from ``act``) is skipped."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that has ended meanwhile
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        with contextlib.suppress(OSError):
+            act(int(tid))
 
 
 # Core lending (pdserve.worker.core_lending), set by the worker for its engine's processes
