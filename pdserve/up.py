@@ -406,8 +406,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
         return 2
-    if front_cores.setting_problem():
-        print(f"pdserve up: {front_cores.setting_problem()}", file=sys.stderr)
+    problem = front_cores.setting_problem()
+    if problem:
+        print(f"pdserve up: {problem}", file=sys.stderr)
         return 2
     gpus = gpus_to_use(s.gpus)
     try:
