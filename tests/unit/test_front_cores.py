@@ -64,18 +64,22 @@ def test_up_passes_them_to_the_gateway_and_the_workers(
 
 
 # A process that starts a thread, binds itself, then starts another, and prints the cores of
-# every thread and what bind_this_process returned.
+# every thread and what bind_this_process returned. A joined thread may still be listed in
+# /proc while it exits: its mask is taken inside it, and threads gone meanwhile are skipped
+# (unskipped, the error left the first thread waiting and the probe hung).
 PROBE = """
 import os, threading
 from pdserve import front_cores
+from pdserve.worker.vllm_plugin import for_each_thread
 before, stop = threading.Event(), threading.Event()
-threading.Thread(target=lambda: (before.set(), stop.wait())).start()
+threading.Thread(target=lambda: (before.set(), stop.wait()), daemon=True).start()
 before.wait()
 bound = front_cores.bind_this_process("probe")
 late = []
 t = threading.Thread(target=lambda: late.append(sorted(os.sched_getaffinity(0))))
 t.start(); t.join()
-masks = {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir("/proc/self/task")}
+masks = set()
+for_each_thread(os.getpid(), lambda tid: masks.add(tuple(sorted(os.sched_getaffinity(tid)))))
 stop.set()
 print((bound, sorted(masks), late[0]))
 """
