@@ -13,20 +13,22 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 
 from pdserve import bench_serve
 from pdserve.placement import parse_cores
+from pdserve.worker.vllm_plugin import for_each_thread
 from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
 from tests.helpers import counted, metrics_text
 
 pytestmark = pytest.mark.own_cluster
 
+T = TypeVar("T")
 LENT = "pdserve_gateway_worker_cpu_lent_steps_total"
 RECLAIMED = "pdserve_gateway_worker_cpu_lend_reclaims_total"
 
@@ -73,11 +75,11 @@ def test_the_engines_give_way_to_the_workers_and_the_gateway(
     assert os.sched_getscheduler(gateway) == os.SCHED_OTHER
     for role in ("prefill", "decode"):
         worker = psutil.Process(pid_on_port(cluster.ports[role]))
-        assert {os.sched_getscheduler(t.id) for t in worker.threads()} == {os.SCHED_OTHER}
+        assert set(_of_threads(worker.pid, os.sched_getscheduler)) == {os.SCHED_OTHER}
         engines = bench_serve.engine_processes(worker.pid)
         assert engines, f"the {role} worker runs no engine process"
         for engine in engines:
-            classes = {os.sched_getscheduler(t.id) for t in engine.threads()}
+            classes = set(_of_threads(engine.pid, os.sched_getscheduler))
             assert classes == {os.SCHED_IDLE}, (role, engine.cmdline(), classes)
 
 
@@ -95,19 +97,26 @@ def test_pdserves_own_threads_run_on_the_prefill_engines_cores(
     assert front == _engine_cores(workers["prefill"])
     own = [psutil.Process(pid_on_port(cluster.http_port)), *workers.values()]
     for process in own:
-        for thread in process.threads():
-            assert os.sched_getaffinity(thread.id) == front, (process.cmdline(), thread.id)
+        masks = _of_threads(process.pid, os.sched_getaffinity)
+        assert masks and all(mask == front for mask in masks), (process.cmdline(), masks)
     decode_cores = _engine_cores(workers["decode"])
     assert decode_cores - front
-    engine_threads = [t for e in bench_serve.engine_processes(workers["decode"].pid)
-                      for t in e.threads()]  # fmt: skip
-    reach = set().union(*(os.sched_getaffinity(t.id) for t in engine_threads))
+    reach = set().union(*(mask for e in bench_serve.engine_processes(workers["decode"].pid)
+                          for mask in _of_threads(e.pid, os.sched_getaffinity)))  # fmt: skip
     assert decode_cores <= reach, "the decode engine lost its own cores"
     for role in ROLES:
         assert "its own threads on cores" in (cluster.log_dir / f"{role}-0.log").read_text()
 
 
 ROLES = ("prefill", "decode")
+
+
+def _of_threads(pid: int, read: Callable[[int], T]) -> list[T]:
+    """``read(tid)`` for every thread of process ``pid`` still running when it is read (a
+    server's threads come and go: one listed may have ended a moment later)."""
+    values: list[T] = []
+    for_each_thread(pid, lambda tid: values.append(read(tid)))
+    return values
 
 
 def _engine_cores(worker: psutil.Process) -> set[int]:
