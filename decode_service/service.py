@@ -39,7 +39,7 @@ from typing import Any
 from kv_transfer import seal
 from kv_transfer.client import release, renew
 from kv_transfer.errors import KVTransferError, PromptMismatch
-from pdserve import tracing
+from pdserve.telemetry import tracing
 from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, KVTransferFailed
 from pdserve.worker.sampling import to_vllm

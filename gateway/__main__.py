@@ -10,11 +10,12 @@ import sys
 from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
-from pdserve import front_cores, tracing
-from pdserve import log as pdlog
-from pdserve.grpc_server import stop_event_on_signals
-from pdserve.heap import freeze_startup_objects
+from pdserve.placement import front_cores
+from pdserve.rpc.server import stop_event_on_signals
+from pdserve.runtime.heap import freeze_startup_objects
 from pdserve.settings import cli_args, from_args
+from pdserve.telemetry import log as pdlog
+from pdserve.telemetry import tracing
 
 log = logging.getLogger("gateway")
 
@@ -46,6 +47,13 @@ def run(args: argparse.Namespace) -> int:
         settings = from_args(GatewaySettings, args)
     except ValidationError as err:
         print(f"pdserve gateway: invalid settings:\n{err}", file=sys.stderr)
+        return 2
+    from gateway.routing import plugins, registry  # after logging is set up, as the server
+
+    problem = registry.unknown_picker(settings.picker)
+    if problem:
+        print(f"pdserve gateway: invalid settings: picker: {problem} "
+              f"(built in: {', '.join(plugins.BUILT_IN)})", file=sys.stderr)  # fmt: skip
         return 2
     if not settings.decode_workers:
         log.warning("no decode workers configured (--decode-workers): every request gets 503")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode
 
 from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config
@@ -118,7 +118,7 @@ class GatewaySettings(BaseSettings):
     )
     picker: str = Field(
         default="auto",
-        description="routing picker (gateway.routing.PICKERS); auto: prefix with a redis_url, "
+        description="routing picker (gateway.routing.registry); auto: prefix with a redis_url, "
         "else round_robin",
     )
     redis_url: str = Field(
@@ -212,14 +212,6 @@ class GatewaySettings(BaseSettings):
             if not host or not port.isdigit():
                 raise ValueError(f"worker address {address!r} is not host:port")
         return value
-
-    @model_validator(mode="after")
-    def _check_picker(self) -> GatewaySettings:
-        from gateway.routing import PICKERS
-
-        if self.picker != "auto" and self.picker not in PICKERS:
-            raise ValueError(f"unknown picker {self.picker!r}; known: auto, {sorted(PICKERS)}")
-        return self
 
     def picker_name(self) -> str:
         if self.picker != "auto":

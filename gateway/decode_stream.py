@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 
 from gateway.errors import InvalidRequest, WorkerFailed, WorkerTimedOut
 from gateway.pool import DecodeWorker, WorkerPool, unless_down
-from pdserve.grpc_client import RpcCallError
+from pdserve.rpc.client import RpcCallError
 from protos.v1 import worker_pb2
 
 

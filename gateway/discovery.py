@@ -12,7 +12,7 @@ import time
 from gateway.pool import WorkerPool
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
 from pdserve.kvindex.redis_store import RedisStore
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RegistryDiscovery:
 
     async def close(self) -> None:
         if self._task is not None:
-            await cancel_and_wait(self._task)  # one cancel may be swallowed (pdserve.tasks)
+            await cancel_and_wait(self._task)  # one cancel may be swallowed (pdserve.runtime.tasks)
 
     async def sync(self) -> None:
         try:

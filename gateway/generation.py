@@ -40,9 +40,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.pairing import single_use_handoffs
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool, unless_down
 from gateway.recovery import Phase, alternative, backoff_s, continuation, migratable
-from gateway.routing import Route
-from pdserve import tracing
-from pdserve.grpc_client import RpcCallError
+from gateway.routing.interfaces import Route
+from pdserve.rpc.client import RpcCallError
+from pdserve.telemetry import tracing
 from protos.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -556,7 +556,9 @@ class Generation:
         self._pool.mark_ok(self.decode)
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
-        request_log.generation_ended(self, "ok", cached_tokens=usage.cached_tokens, phases=phases)
+        request_log.generation_ended(
+            self._logged(), "ok", cached_tokens=usage.cached_tokens, phases=phases
+        )
         if self._predicted is not None:  # local path: the decode worker's cache
             self._metrics.prediction(self._predicted, usage.cached_tokens)
         if self.prefill is None:
@@ -582,7 +584,7 @@ class Generation:
         self._done = True
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
-        request_log.generation_ended(self, outcome)
+        request_log.generation_ended(self._logged(), outcome)
         self._end_decode_span(
             {"pdserve.outcome": outcome}, None if outcome == "cancelled" else outcome
         )
@@ -590,6 +592,23 @@ class Generation:
         for worker, rid in calls:
             self._abort([worker], rid, self._given.pop((worker, rid), None))
         self._release_staged()
+
+    def _logged(self) -> request_log.RoutedRequest:
+        return request_log.RoutedRequest(
+            edge_id=self.edge_id,
+            request_id=self.request_id,
+            trace_id=self.trace_id,
+            endpoint=self.endpoint,
+            path=self.path,
+            prefill_worker=self.prefill.worker_id if self.prefill else "local",
+            decode_worker=self.decode.worker_id,
+            prompt_tokens=len(self.token_ids),
+            completion_tokens=self.completion_tokens,
+            retries=self.retries,
+            migrations=self.migrations,
+            received_at=self.received_at,
+            first_token_at=self.first_token_at,
+        )
 
     def _end_decode_span(self, attributes: dict[str, Any], error: str | None = None) -> None:
         span, self._decode_span = self._decode_span, tracing.NO_SPAN

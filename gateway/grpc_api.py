@@ -31,8 +31,8 @@ from gateway.errors import (
 )
 from gateway.events import Finish, TokenDelta
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
-from pdserve import tracing
-from pdserve.grpc_client import REQUEST_ID_METADATA
+from pdserve.rpc.client import REQUEST_ID_METADATA
+from pdserve.telemetry import tracing
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)

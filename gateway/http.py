@@ -35,7 +35,7 @@ from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_serving import OpenAIResponder
 from gateway.service import GenerateRequest, GenerationService, edge_request_id
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from pdserve import tracing
+from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
 

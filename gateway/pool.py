@@ -22,9 +22,9 @@ from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
 from gateway.pairing import pairing_problem
 from gateway.prefill_pace import PrefillPace
-from pdserve.grpc_client import RpcCallError
 from pdserve.kvindex.interfaces import WorkerRecord
-from pdserve.tasks import cancel_and_wait
+from pdserve.rpc.client import RpcCallError
+from pdserve.runtime.tasks import cancel_and_wait
 from prefill_service.client import PrefillClient
 from protos.v1 import worker_pb2
 

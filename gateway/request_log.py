@@ -2,7 +2,8 @@
 "request done" and the request's fields (``FIELDS``, documented in docs/observability.md).
 
 Every generation request gets exactly one line, whatever its outcome: ``generation_ended``
-from the two places a ``Generation`` ends (``_finish``: "ok"; ``abandon``: everything else);
+from the two places a ``Generation`` ends (``_finish``: "ok"; ``abandon``: everything else),
+which hands over what the line says of it as data (``RoutedRequest``);
 ``refused`` from ``GenerationService.start`` for requests that end before a ``Generation``
 exists (invalid, overloaded, unavailable, cancelled while tokenizing); ``refused_at_edge`` from
 the transport adapters for requests they refuse before the core sees them (a malformed body, a
@@ -18,15 +19,11 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gateway.errors import GatewayError
 from gateway.events import outcome_for
-from pdserve import log as pdlog
-from pdserve import tracing
-
-if TYPE_CHECKING:
-    from gateway.generation import Generation
+from pdserve.telemetry import log as pdlog
+from pdserve.telemetry import tracing
 
 log = logging.getLogger("pdserve.requests")
 
@@ -66,8 +63,9 @@ _lines: ContextVar[_Lines | None] = ContextVar("pdserve_request_lines", default=
 
 @contextmanager
 def serving(request_id: str) -> Iterator[None]:
-    """Serve one edge request: its id names every log line (``pdserve.log.request_context``)
-    and ``refused_at_edge`` knows whether the core wrote its line already."""
+    """Serve one edge request: its id names every log line
+    (``pdserve.telemetry.log.request_context``) and ``refused_at_edge`` knows whether the core
+    wrote its line already."""
     token = _lines.set(_Lines())
     try:
         with pdlog.request_context(request_id):
@@ -92,33 +90,52 @@ def _emit(fields: dict[str, object]) -> None:
         lines.written += 1
 
 
+@dataclass(frozen=True)
+class RoutedRequest:
+    """What the line of a routed request says of it, filled in when it ends."""
+
+    edge_id: str  # the client's id
+    request_id: str  # the gateway's id of the first attempt
+    trace_id: str | None
+    endpoint: str
+    path: str
+    prefill_worker: str  # "local": the decode worker computed the prompt
+    decode_worker: str
+    prompt_tokens: int
+    completion_tokens: int
+    retries: int
+    migrations: int
+    received_at: float  # time.monotonic()
+    first_token_at: float | None
+
+
 def generation_ended(
-    generation: Generation,
+    request: RoutedRequest,
     outcome: str,
     *,
     cached_tokens: int | None = None,
     phases: Mapping[str, float] | None = None,
 ) -> None:
     """The line of a request that was routed (``phases``: from ``GatewayMetrics.phases``)."""
-    g = generation
+    r = request
     now = time.monotonic()
-    first = g.first_token_at
+    first = r.first_token_at
     fields: dict[str, object] = {
-        "request_id": g.edge_id,
-        "internal_id": g.request_id,
-        "trace_id": g.trace_id,
-        "endpoint": g.endpoint,
+        "request_id": r.edge_id,
+        "internal_id": r.request_id,
+        "trace_id": r.trace_id,
+        "endpoint": r.endpoint,
         "outcome": outcome,
-        "path": g.path,
-        "prefill_worker": g.prefill.worker_id if g.prefill else "local",
-        "decode_worker": g.decode.worker_id,
-        "prompt_tokens": len(g.token_ids),
-        "completion_tokens": g.completion_tokens,
+        "path": r.path,
+        "prefill_worker": r.prefill_worker,
+        "decode_worker": r.decode_worker,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
         "cached_tokens": cached_tokens,
-        "retries": g.retries,
-        "migrations": g.migrations,
-        "total_s": _seconds(now - g.received_at),
-        "ttft_s": _seconds(None if first is None else first - g.received_at),
+        "retries": r.retries,
+        "migrations": r.migrations,
+        "total_s": _seconds(now - r.received_at),
+        "ttft_s": _seconds(None if first is None else first - r.received_at),
     }
     for phase in PHASES:
         fields[f"{phase}_s"] = _seconds((phases or {}).get(phase))

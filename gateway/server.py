@@ -1,7 +1,7 @@
 """Transport wiring of the gateway: one object that starts and stops everything in one loop.
 
 HTTP (uvicorn serving the FastAPI app on a socket bound here, so port 0 works and the real
-port is known) and the public gRPC server (``pdserve.grpc_server.GrpcServer``: health and
+port is known) and the public gRPC server (``pdserve.rpc.server.GrpcServer``: health and
 reflection) share the asyncio loop with the worker pool. The gRPC health status of
 ``pdserve.v1.Generation`` follows the pool: SERVING while a decode worker is healthy.
 """
@@ -26,11 +26,12 @@ from gateway.interfaces import PromptTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Offload
 from gateway.pool import WorkerPool
-from gateway.routing import PickerContext, make_picker
+from gateway.routing import plugins  # noqa: F401  (registers the built-in pickers)
+from gateway.routing.registry import PickerContext, make_picker
 from gateway.service import GenerationService
 from gateway.worker_metrics import WorkerCollector
-from pdserve.grpc_server import GrpcServer
 from pdserve.kvindex.redis_store import RedisStore
+from pdserve.rpc.server import GrpcServer
 from protos.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)

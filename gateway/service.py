@@ -6,8 +6,8 @@ length -> pick P and D -> prefill -> decode stream. ``start`` raises ``GatewayEr
 everything that goes wrong before the first token; the returned ``Generation`` yields
 ``TokenDelta``s and a final ``Finish`` (see ``gateway.generation``).
 
-Extending: new routing goes in a ``Picker`` (``gateway.interfaces``, registry
-``gateway.routing.PICKERS``); new endpoints are adapters over ``start``/``generate``; new
+Extending: new routing goes in a ``Picker`` (``gateway.routing.interfaces``, registry
+``gateway.routing.registry``); new endpoints are adapters over ``start``/``generate``; new
 per-request steps (e.g. recording prefix hits) belong in ``Generation``.
 """
 
@@ -34,14 +34,14 @@ from gateway.errors import (
 )
 from gateway.events import Event, outcome_for
 from gateway.generation import AnyWorker, Generation
-from gateway.interfaces import Picker, PromptTokenizer
+from gateway.interfaces import PromptTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Offload
 from gateway.params import check_sampling, resolve_max_tokens
 from gateway.pool import WorkerPool
-from gateway.routing import Route, RouteRequest
-from pdserve import tracing
-from pdserve.grpc_client import RpcCallError
+from gateway.routing.interfaces import Picker, Route, RouteRequest
+from pdserve.rpc.client import RpcCallError
+from pdserve.telemetry import tracing
 from protos.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)

@@ -15,77 +15,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
+from kv_transfer.agent_context import AgentConfig, Reporter, map_regions
 from kv_transfer.auth import load_secret
-from kv_transfer.layout import Layout
+from kv_transfer.consumer import Consumer
+from kv_transfer.producer import Producer
 from kv_transfer.wire import LineChannel
-from pdserve import log as pdlog
+from pdserve.telemetry import log as pdlog
 
 log = logging.getLogger("kv_transfer.agent")
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    role: str  # "producer" | "consumer"
-    layout: Layout
-    region_fds: tuple[int, ...]
-    compat: dict[str, str]
-    bind_host: str = "0.0.0.0"
-    port: int = 0
-    lease_s: float = 30.0
-    register_wait_s: float = 10.0
-    io_timeout_s: float = 30.0
-    max_parallel: int = 8
-    # File holding the deployment secret ("" = none: the port is open, see kv_transfer.auth).
-    secret_file: str = ""
-    # Producer: connections served at once; more are closed at accept.
-    max_connections: int = 256
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        data = {k: v for k, v in self.__dict__.items() if k != "layout"}
-        data["region_fds"] = list(self.region_fds)
-        data["layout"] = self.layout.to_json()
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AgentConfig:
-        data = dict(data)
-        data["layout"] = Layout.from_json(data["layout"])
-        data["region_fds"] = tuple(data["region_fds"])
-        return cls(**data)
-
-
-class Reporter:
-    """Sender of results to the worker that never blocks its caller.
-
-    The worker reads results once per engine step, and an idle engine takes no steps: a
-    blocking write would stall whoever reports (often while holding the producer's lock).
-    Results are queued and written by one writer thread instead (``LineChannel``).
-    """
-
-    def __init__(self, channel: LineChannel) -> None:
-        self.channel = channel
-        channel.start_writer("kv-report")
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.channel.send(message)
-
-
-def map_regions(config: AgentConfig) -> list[memoryview]:
-    views = []
-    for fd, size in zip(config.region_fds, config.layout.region_sizes, strict=True):
-        # MAP_POPULATE: fault the pages in now, not on the first pulls.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        views.append(memoryview(mmap.mmap(fd, size, flags=flags)))
-        os.close(fd)  # the mapping keeps the memory alive
-    return views
 
 
 def run(ctrl_fd: int) -> int:
@@ -103,13 +45,10 @@ def run(ctrl_fd: int) -> int:
         return 2
     regions = map_regions(config)
     reporter = Reporter(channel)
+    agent: Any
     if config.role == "producer":
-        from kv_transfer.producer import Producer
-
-        agent: Any = Producer(config, regions, reporter, secret)
+        agent = Producer(config, regions, reporter, secret)
     else:
-        from kv_transfer.consumer import Consumer
-
         agent = Consumer(config, regions, reporter, secret)
     reporter.send({"op": "ready", "port": agent.port, "pid": os.getpid()})
     while (message := channel.recv()) is not None:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kv_transfer.agent import AgentConfig
+from kv_transfer.agent_context import AgentConfig
 from kv_transfer.handle import AgentHandle
 from kv_transfer.layout import LayerSpan, Layout
 from kv_transfer.wire import recv_into_exact, tune

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kv_transfer.agent import AgentConfig, Reporter
+from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import connect
 from kv_transfer.client import release
 from kv_transfer.errors import KVTransferError

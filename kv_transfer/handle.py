@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from kv_transfer.agent import AgentConfig
+from kv_transfer.agent_context import AgentConfig
 from kv_transfer.errors import KVTransferError
 from kv_transfer.wire import LineChannel
 

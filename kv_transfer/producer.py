@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer import compat
-from kv_transfer.agent import AgentConfig, Reporter
+from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import AuthenticationFailed, server_handshake
 from kv_transfer.errors import KVTransferError, PromptMismatch, UnknownRequest
 from kv_transfer.wire import (

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.agent import AgentConfig
+from kv_transfer.agent_context import AgentConfig
 from kv_transfer.compat import layer_bytes
 from kv_transfer.errors import UnsupportedKVCache
 from kv_transfer.handle import AgentHandle

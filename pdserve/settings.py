@@ -47,7 +47,8 @@ def base_config(env_prefix: str) -> SettingsConfigDict:
 
 
 class LogSettings(BaseSettings):
-    """Logging of every pdserve process, from the environment only (read by ``pdserve.log``):
+    """Logging of every pdserve process, from the environment only (read by
+    ``pdserve.telemetry.log``):
     ``PDSERVE_LOG_LEVEL`` and ``PDSERVE_LOG_FORMAT``. A worker's own ``--log-level`` wins."""
 
     model_config = base_config("PDSERVE_LOG_")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve import tracing
+from pdserve.telemetry import tracing
 
 
 @pytest.fixture

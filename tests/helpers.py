@@ -18,8 +18,8 @@ import httpx
 from gateway.config import GatewaySettings
 from gateway.server import GatewayServer
 from gateway.tokenizer import HfTokenizer
-from pdserve.fake_worker import FakeDecode, FakePrefill, start_worker
-from pdserve.grpc_server import GrpcServer
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill, start_worker
+from pdserve.rpc.server import GrpcServer
 from pdserve.settings import default_model_dir
 
 MODEL_WAIT_S = 900.0

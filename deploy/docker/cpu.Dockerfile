@@ -61,7 +61,7 @@ WORKDIR /home/pdserve
 
 # Fail the build if a module the KV tier loads does not import (LMCache itself would only log
 # it and recompute everything); as the runtime user, so that nothing in HOME belongs to root.
-RUN python -m pdserve.lmcache_deps
+RUN python -m pdserve.worker.lmcache_deps
 
 # Build-time model preparation, into $PDSERVE_CACHE_DIR (owned by the runtime user).
 RUN pdserve model prepare && pdserve model path

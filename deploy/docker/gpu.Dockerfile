@@ -58,7 +58,7 @@ WORKDIR /home/pdserve
 
 # Fail the build if a module the KV tier loads does not import (LMCache itself would only log
 # it and recompute everything); as the runtime user, so that nothing in HOME belongs to root.
-RUN python -m pdserve.lmcache_deps
+RUN python -m pdserve.worker.lmcache_deps
 
 # The conversion runs on the CPU; no GPU is needed at build time.
 RUN pdserve model prepare && pdserve model path

@@ -11,8 +11,8 @@ served model name), so several models can share one Redis.
 
 A shared KV tier (LMCache) is a holder like a worker, with the id ``tier:<identity>`` (e.g.
 ``tier:redis:10.0.0.5:6379/1``, the identity its workers report) in both sets. The gateways
-write its entries (``gateway.kv_tier``), not the workers; it is in no registry, so no gateway
-reaps it.
+write its entries (``gateway.routing.kv_tier``), not the workers; it is in no registry, so no
+gateway reaps it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve import log, tracing
 from pdserve.settings import cli_args, from_args
+from pdserve.telemetry import log, tracing
 from pdserve.worker.config import WorkerSettings
 
 

@@ -18,7 +18,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.placement import format_cores, parse_cores
+from pdserve.placement.engines import format_cores, parse_cores
 from pdserve.settings import sets_flag
 from pdserve.worker import kv_tier, owned_dirs, vllm_plugin
 from pdserve.worker.config import WorkerSettings
@@ -37,7 +37,7 @@ def cpu_dtype() -> tuple[str, str]:
     docs/benchmarks.md). The KV compatibility check compares dtypes, so workers on different
     CPUs never pair KV of different precision.
     """
-    from pdserve import machine
+    from pdserve.placement import machine
 
     if machine.native_bf16():
         return "bfloat16", "the CPU has native bf16 (avx512_bf16/amx_bf16)"
@@ -328,7 +328,7 @@ def kv_transfer_config(settings: WorkerSettings, engine_id: str) -> Any:
 def _handoff_connector(settings: WorkerSettings, role: str) -> dict[str, Any]:
     """KVTransferConfig fields of the prefill→decode hand-off connector."""
     from kv_transfer import CONNECTOR_MODULE, CONNECTOR_NAME
-    from pdserve.secret import secret_file
+    from pdserve.rpc.secret import secret_file
 
     if settings.kv_connector == "nixl":
         return {

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve import tracing
+from pdserve.telemetry import tracing
 from protos.v1 import common_pb2
 
 

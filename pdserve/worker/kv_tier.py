@@ -121,7 +121,7 @@ def check(settings: WorkerSettings) -> None:
     tier_url(settings)
     if settings.kv_tier_chunk_tokens % 16:
         raise TierConfigError("--kv-tier-chunk-tokens must be a multiple of 16")
-    from pdserve import lmcache_deps
+    from pdserve.worker import lmcache_deps
 
     broken = lmcache_deps.problems([settings.kv_tier])
     if broken:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.tasks import cancel_and_wait
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
 from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
@@ -139,7 +139,9 @@ class IndexLink:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def stop(self) -> None:
-        for task in self.tasks:  # talk to Redis: one cancel may be swallowed (pdserve.tasks)
+        for (
+            task
+        ) in self.tasks:  # talk to Redis: one cancel may be swallowed (pdserve.runtime.tasks)
             await cancel_and_wait(task)
         if self.record is not None:
             with contextlib.suppress(IndexUnavailable):

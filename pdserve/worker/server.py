@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from pdserve import __version__, front_cores, tracing
-from pdserve.grpc_client import ERROR_REASON_METADATA
-from pdserve.grpc_server import GrpcServer, stop_event_on_signals
-from pdserve.heap import freeze_startup_objects
-from pdserve.secret import SECRET_FILE_ENV, deployment_secret, is_loopback
+from pdserve import __version__
+from pdserve.placement import front_cores
+from pdserve.rpc.client import ERROR_REASON_METADATA
+from pdserve.rpc.secret import SECRET_FILE_ENV, deployment_secret, is_loopback
+from pdserve.rpc.server import GrpcServer, stop_event_on_signals
+from pdserve.runtime.heap import freeze_startup_objects
+from pdserve.telemetry import tracing
 from pdserve.worker import kv_tier
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.errors import (
@@ -184,7 +186,7 @@ async def serve(
         await server.stop(0)
         return 1
     # The engine's processes have their cores; this process's own threads go where pdserve up
-    # says they disturb the decode engine least (pdserve.front_cores).
+    # says they disturb the decode engine least (pdserve.placement.front_cores).
     front_cores.bind_this_process(settings.name)
     servicer.service = make_service(engine, settings, describe(engine))
     servicer.service.load = load
@@ -232,7 +234,7 @@ def lending_counters(settings: WorkerSettings, load: Load) -> Callable[[], None]
     for a worker that lends no cores)."""
     if not settings.cpu_lending or settings.cpu_borrow or not settings.cpu_cores:
         return lambda: None
-    from pdserve.placement import parse_cores
+    from pdserve.placement.engines import parse_cores
     from pdserve.worker.core_lending import CoreTable
 
     table, cores = CoreTable(settings.cpu_lending), parse_cores(settings.cpu_cores)

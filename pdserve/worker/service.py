@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from pdserve import tracing
+from pdserve.telemetry import tracing
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
 from pdserve.worker.errors import EngineUnavailable
@@ -19,7 +19,7 @@ class WorkerService:
     """Owns the engine of one worker. Subclasses add the role's request path."""
 
     def __init__(self, engine: Any, settings: WorkerSettings, info: EngineInfo) -> None:
-        from pdserve.secret import deployment_secret
+        from pdserve.rpc.secret import deployment_secret
         from pdserve.worker.registration import Load
 
         self.engine = engine

@@ -141,7 +141,7 @@ def unbind_borrower() -> None:
     as it is."""
     if not os.environ.get(BORROW_ENV):
         return
-    from pdserve.placement import parse_cores
+    from pdserve.placement.engines import parse_cores
 
     cores = set(parse_cores(os.environ[OWN_ENV]) + parse_cores(os.environ[BORROW_ENV]))
     if os.sched_getaffinity(0) < cores:
@@ -208,7 +208,7 @@ class LendingStep:
             self._part.step_ends()
 
     def _start(self) -> Any:
-        from pdserve.placement import parse_cores
+        from pdserve.placement.engines import parse_cores
         from pdserve.worker import core_lending
 
         table = core_lending.CoreTable(os.environ[LENDING_ENV])

@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings
 import pdserve
 from decode_service.config import DecodeSettings
 from gateway.config import GatewaySettings
-from pdserve.up import UpSettings
+from pdserve.cluster.up import UpSettings
 from prefill_service.config import PrefillSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -190,7 +190,7 @@ def test_images_install_lmcache_as_the_makefile_does(kind: str) -> None:
     assert not [r for r in runs if "lmcache" in r.lower() and "lmcache_deps" not in r], (
         "LMCache only from the pinned file, never with dependency resolution"
     )
-    check = ("RUN", "python -m pdserve.lmcache_deps")
+    check = ("RUN", "python -m pdserve.worker.lmcache_deps")
     project = next(i for i, (_, r) in enumerate(steps) if '"/src/pdserve[model]"' in r)
     assert steps.index(("RUN", install)) < project < steps.index(check), "once pdserve is in"
     assert steps.index(next(s for s in steps if s[0] == "USER")) < steps.index(check), (

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from pdserve import otlp_receiver
+from pdserve.telemetry import otlp_receiver
 from tests.e2e.cases import DTYPE, cases, tier_cases
 from tests.helpers import model_dir
 

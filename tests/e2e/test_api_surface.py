@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve.client import GatewayClient
+from pdserve.cli.client import GatewayClient
 from tests.e2e.conftest import RealCluster, run_reference
 from tests.helpers import model_dir, served_name
 

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-from pdserve import bench_serve
-from pdserve.placement import parse_cores
+from pdserve.bench import systems as bench_systems
+from pdserve.placement.engines import parse_cores
 from pdserve.worker.vllm_plugin import for_each_thread
 from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
@@ -76,7 +76,7 @@ def test_the_engines_give_way_to_the_workers_and_the_gateway(
     for role in ("prefill", "decode"):
         worker = psutil.Process(pid_on_port(cluster.ports[role]))
         assert set(_of_threads(worker.pid, os.sched_getscheduler)) == {os.SCHED_OTHER}
-        engines = bench_serve.engine_processes(worker.pid)
+        engines = bench_systems.engine_processes(worker.pid)
         assert engines, f"the {role} worker runs no engine process"
         for engine in engines:
             classes = set(_of_threads(engine.pid, os.sched_getscheduler))
@@ -87,7 +87,7 @@ def test_pdserves_own_threads_run_on_the_prefill_engines_cores(
     lending_cluster: RealCluster,
 ) -> None:
     """The gateway's and the workers' own threads are bound to the prefill engine's cores
-    (pdserve.front_cores); the decode engine keeps the cores it was started with."""
+    (pdserve.placement.front_cores); the decode engine keeps the cores it was started with."""
     cluster = lending_cluster
     up_log = (cluster.log_dir / "pdserve-up.out").read_text()
     said = re.search(r"own threads run on the prefill engines' cores (\S+) \(", up_log)
@@ -101,7 +101,7 @@ def test_pdserves_own_threads_run_on_the_prefill_engines_cores(
         assert masks and all(mask == front for mask in masks), (process.cmdline(), masks)
     decode_cores = _engine_cores(workers["decode"])
     assert decode_cores - front
-    reach = set().union(*(mask for e in bench_serve.engine_processes(workers["decode"].pid)
+    reach = set().union(*(mask for e in bench_systems.engine_processes(workers["decode"].pid)
                           for mask in _of_threads(e.pid, os.sched_getaffinity)))  # fmt: skip
     assert decode_cores <= reach, "the decode engine lost its own cores"
     for role in ROLES:

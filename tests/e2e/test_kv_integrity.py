@@ -19,7 +19,7 @@ from decode_service.client import DecodeClient
 from kv_transfer import seal
 from kv_transfer.auth import AuthenticationFailed, load_secret
 from kv_transfer.client import release
-from pdserve.grpc_client import RpcCallError
+from pdserve.rpc.client import RpcCallError
 from prefill_service.client import PrefillClient
 from protos.v1 import common_pb2, worker_pb2
 from tests.e2e.conftest import RealCluster

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.otlp_receiver import Receiver, Span
+from pdserve.telemetry.otlp_receiver import Receiver, Span
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import RealCluster
 from tests.helpers import served_name

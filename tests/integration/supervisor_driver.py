@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.backoff import Backoff
-from pdserve.supervisor import ChildExitPolicy, ChildSpec, Supervisor, SupervisorOptions
-from pdserve.up import http_ok
+from pdserve.cluster.backoff import Backoff
+from pdserve.cluster.supervisor import ChildExitPolicy, ChildSpec, Supervisor, SupervisorOptions
+from pdserve.cluster.up import http_ok
 
 READY_LINE = "DRIVER: ALL READY"
 

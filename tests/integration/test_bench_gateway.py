@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import bench_gateway
-from pdserve.redis_server import free_ports
+from pdserve.bench import gateway as bench_gateway
+from pdserve.cluster.redis_server import free_ports
 from tests.helpers import model_dir
 
 PATHS = ("direct_grpc", "gateway_http", "gateway_grpc")

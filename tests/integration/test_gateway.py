@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from pdserve.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN
+from pdserve.bench.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN
 from tests.helpers import gateway_cluster, parse_sse, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode
+from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
 from tests.helpers import gateway_cluster, parse_sse, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)

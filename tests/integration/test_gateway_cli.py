@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.fake_worker import FakeDecode, start_worker
+from pdserve.bench.fake_worker import FakeDecode, start_worker
 from tests.helpers import model_dir, served_name
 
 SERVING = re.compile(r"HTTP on \S+:(?P<http>\d+), gRPC on \S+:(?P<grpc>\d+)")

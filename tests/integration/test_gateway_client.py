@@ -1,4 +1,4 @@
-"""The typed gRPC client (``pdserve.client``), the ``pdserve generate`` / ``pdserve chat``
+"""The typed gRPC client (``pdserve.cli.client``), the ``pdserve generate`` / ``pdserve chat``
 commands, and the gRPC API's auth, Tokenize, logprobs, saturation and deadlines."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pdserve.client import GatewayCallError, GatewayClient
-from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode
+from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
+from pdserve.cli.client import GatewayCallError, GatewayClient
 from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.fake_worker import FakeDecode, FakePrefill
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill
 from tests.helpers import dead_address, gateway_cluster, served_name
 
 CHAT = [{"role": "user", "content": "Hi"}]

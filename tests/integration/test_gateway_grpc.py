@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN, FakeDecode
+from pdserve.bench.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN, FakeDecode
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
 

@@ -14,7 +14,7 @@ import asyncio
 
 import httpx
 
-from pdserve.fake_worker import FakeDecode, FakePrefill, start_worker
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill, start_worker
 from tests.helpers import counted, gateway_cluster, metrics_text, served_name
 from tests.integration.test_gateway_recovery import MAX_TOKENS, PROMPT, stream_text
 

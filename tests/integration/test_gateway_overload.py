@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from pdserve.fake_worker import FakeDecode, FakePrefill
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill
 from tests.helpers import counted, gateway_cluster
 
 BODY = {"prompt": "The same prompt every time", "max_tokens": 4}

@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import httpx
 
-from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
-from pdserve.grpc_server import GrpcServer
+from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
+from pdserve.rpc.server import GrpcServer
 from tests.helpers import Cluster, counted, gateway_cluster, metrics_text, served_name
 
 PROMPT = [11, 12, 13, 14, 15]

@@ -12,7 +12,7 @@ import json
 import grpc
 import httpx
 
-from pdserve.fake_worker import FakeDecode
+from pdserve.bench.fake_worker import FakeDecode
 from tests.helpers import gateway_cluster, served_name
 
 CLIENT_ID = "same-id-for-both"

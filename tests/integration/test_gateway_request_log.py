@@ -18,8 +18,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.request_log import FIELDS
-from pdserve import log as pdlog
-from pdserve.fake_worker import FakeDecode
+from pdserve.bench.fake_worker import FakeDecode
+from pdserve.telemetry import log as pdlog
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.helpers import counted, gateway_cluster, served_name, tokenizer
 

@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
+from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
 from tests.helpers import dead_address, gateway_cluster, metrics_text, served_name
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]

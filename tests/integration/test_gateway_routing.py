@@ -13,12 +13,12 @@ import pytest
 
 from gateway.config import GatewaySettings
 from gateway.server import GatewayServer
-from pdserve.fake_worker import FakeDecode, FakePrefill, start_worker
-from pdserve.grpc_server import GrpcServer
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill, start_worker
+from pdserve.cluster.redis_server import RedisServer
 from pdserve.kvindex.hashing import block_hashes
 from pdserve.kvindex.interfaces import BlockOps, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
-from pdserve.redis_server import RedisServer
+from pdserve.rpc.server import GrpcServer
 from tests.helpers import counted, metrics_text, model_dir, served_name, tokenizer
 
 BLOCK = 16  # the fakes' block size

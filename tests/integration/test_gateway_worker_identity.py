@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from pdserve.fake_worker import FakeDecode, FakePrefill
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill
 from tests.helpers import gateway_cluster, served_name
 
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import GatewaySettings
 from gateway.pool import WorkerPool
 from gateway.worker_metrics import WorkerCollector
-from pdserve.fake_worker import FakeDecode, FakePrefill
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill
 from pdserve.kvindex.interfaces import WorkerRecord
 from protos.v1 import worker_pb2
 from tests.helpers import dead_address, gateway_cluster

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 import pytest
 
+from pdserve.cluster.redis_server import RedisServer
 from pdserve.kvindex.interfaces import BlockOps
 from pdserve.kvindex.redis_store import RedisStore
-from pdserve.redis_server import RedisServer
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.tasks import cancel_and_wait
 from pdserve.worker.block_mirror import BlockMirror
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
@@ -73,7 +73,7 @@ async def running(sink: EventSink) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await cancel_and_wait(task)  # the sink talks to Redis (see pdserve.tasks)
+        await cancel_and_wait(task)  # the sink talks to Redis (see pdserve.runtime.tasks)
 
 
 async def until(predicate: Any, timeout_s: float = 10.0) -> None:

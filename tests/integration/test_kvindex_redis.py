@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from pdserve.cluster.redis_server import RedisServer
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
 from pdserve.kvindex.memory import MemoryIndex
 from pdserve.kvindex.redis_store import RedisStore
-from pdserve.redis_server import RedisServer
 
 M = "model-a"
 

@@ -18,13 +18,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_transfer import bench
-from pdserve.grpc_server import GrpcServer
-from pdserve.redis_server import free_port
+from pdserve.cluster.redis_server import free_port
+from pdserve.rpc.server import GrpcServer
 from tests.integration.test_kv_transport import GEO, next_message
 
 GRPC_CHILD = r"""
 import asyncio, sys
-from pdserve.grpc_server import GrpcServer
+from pdserve.rpc.server import GrpcServer
 async def main():
     server = GrpcServer("127.0.0.1", int(sys.argv[1]), [], [])
     await server.start()

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from pdserve.redis_server import (
+from pdserve.cluster.redis_server import (
     RedisServer,
     RedisServerError,
     answers,

@@ -1,4 +1,4 @@
-"""pdserve.supervisor with real processes: small Python children that serve HTTP and spawn a
+"""pdserve.cluster.supervisor with real processes: small Python children that serve HTTP and spawn a
 sleeping grandchild, supervised by tests/integration/supervisor_driver.py in its own process."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.up import grpc_serving, http_ok
+from pdserve.cluster.up import grpc_serving, http_ok
 from tests.helpers import dead_address
 
 

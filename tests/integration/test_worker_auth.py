@@ -10,9 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_service.client import DecodeClient
 from kv_transfer.auth import new_secret
-from pdserve.fake_worker import FakeDecode, FakePrefill
-from pdserve.grpc_client import RpcCallError
-from pdserve.grpc_server import GrpcServer
+from pdserve.bench.fake_worker import FakeDecode, FakePrefill
+from pdserve.rpc.client import RpcCallError
+from pdserve.rpc.server import GrpcServer
 from prefill_service.client import PrefillClient
 from protos.v1 import common_pb2, worker_pb2_grpc
 
@@ -68,7 +68,7 @@ async def test_calls_without_or_with_a_wrong_secret_are_refused(secret: bytes | 
 
 
 async def test_a_token_for_one_rpc_does_not_open_another() -> None:
-    from pdserve.grpc_auth import AUTH_METADATA, token
+    from pdserve.rpc.auth import AUTH_METADATA, token
 
     server = await serve(FakePrefill(), SECRET)
     try:

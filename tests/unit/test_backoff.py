@@ -1,10 +1,10 @@
-"""pdserve.backoff: the wait before a child's restart."""
+"""pdserve.cluster.backoff: the wait before a child's restart."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.backoff import Backoff
+from pdserve.cluster.backoff import Backoff
 
 
 def test_default_schedule_doubles_from_one_second_to_the_30_s_cap() -> None:

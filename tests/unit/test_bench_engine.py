@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench_engine import _bare_rates, _engines, _medians, _ratios, decode_figures
+from pdserve.bench.engine import _bare_rates, _engines, _medians, _ratios, decode_figures
 
 
 def test_the_bare_engine_runs_once_per_worker_role_listed() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from pdserve import bench_gateway_tracing as tb
-from pdserve import tracing
+from pdserve.bench import gateway_tracing as tb
+from pdserve.telemetry import tracing
 
 
 def phase(r: int, arm: str, path: str, rate: float, cpu: float) -> dict[str, Any]:

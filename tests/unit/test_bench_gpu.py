@@ -11,21 +11,22 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.worker_metrics import WorkerCollector
-from pdserve import bench_gpu, bench_serve
-from pdserve.cli import build_parser
+from pdserve.bench import gpu as bench_gpu
+from pdserve.bench import systems as bench_systems
+from pdserve.cli.main import build_parser
 
 
 def test_it_refuses_to_run_without_a_gpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: [])
+    monkeypatch.setattr("pdserve.placement.engines.detect_gpus", lambda: [])
     args = build_parser("bench").parse_args(["bench", "gpu", "--gpu", "0"])
     assert bench_gpu.run(args) == 2
     assert "no NVIDIA GPU 0" in capsys.readouterr().err
 
 
 def test_it_refuses_to_run_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: ["0"])
+    monkeypatch.setattr("pdserve.placement.engines.detect_gpus", lambda: ["0"])
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     assert "pip install nixl" in str(bench_gpu.preflight("0"))
 
@@ -33,7 +34,7 @@ def test_it_refuses_to_run_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None
 def test_the_cluster_it_starts_is_1p1d_on_the_chosen_gpu(tmp_path: Path) -> None:
     args = argparse.Namespace(port=8700, prefill=1, decode=1, model="/m/Llama",
                               gpus="1", engine_args="--max-model-len 4096")  # fmt: skip
-    argv = bench_serve.pdserve_up_argv(args, tmp_path)
+    argv = bench_systems.pdserve_up_argv(args, tmp_path)
     up = argv[argv.index("up") + 1 :]
     assert up[:4] == ["--prefill", "1", "--decode", "1"]
     assert up[up.index("--gpus") + 1] == "1" and up[up.index("--model") + 1] == "/m/Llama"
@@ -45,11 +46,11 @@ def test_the_cluster_it_starts_is_1p1d_on_the_chosen_gpu(tmp_path: Path) -> None
 
 
 def test_the_monolith_on_a_gpu_has_no_cpu_arguments() -> None:
-    gpu = bench_serve.monolith_argv("/m", "m", 9000, gpu=True, engine_args="--max-model-len 64")
+    gpu = bench_systems.monolith_argv("/m", "m", 9000, gpu=True, engine_args="--max-model-len 64")
     assert "--gpu-memory-utilization" not in gpu and "--dtype" not in gpu
     assert gpu[-3:] == ["--max-model-len", "64", "--disable-uvicorn-access-log"]
     assert "--enable-prefix-caching" in gpu, "the same common settings as pdserve's engines"
-    cpu = bench_serve.monolith_argv("/m", "m", 9000)
+    cpu = bench_systems.monolith_argv("/m", "m", 9000)
     assert "--gpu-memory-utilization" in cpu and "--dtype" in cpu
 
 

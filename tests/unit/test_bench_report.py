@@ -1,4 +1,4 @@
-"""pdserve bench serve's statistics (pdserve.bench_report) on hand-made vLLM results."""
+"""pdserve bench serve's statistics (pdserve.bench.report) on hand-made vLLM results."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pdserve.bench_report import Slo, percentile, ratios, slo_from, summarize, table
+from pdserve.bench.report import Slo, percentile, ratios, slo_from, summarize, table
 
 
 def result(ttfts: list[float], itls: list[list[float]], errors: list[str] | None = None) -> dict:
@@ -81,7 +81,7 @@ def test_throughput_is_requests_in_flight_over_mean_e2e() -> None:
 def test_several_rounds_give_every_rounds_rows_and_the_median_ratios() -> None:
     import argparse
 
-    from pdserve.bench_report import build, plotted, times_text
+    from pdserve.bench.report import build, plotted, times_text
 
     def round_of(speed: float) -> tuple[dict, dict]:
         base = result([1.0] * 10, [[0.1, 0.1]] * 10)

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from pdserve import bench_serve
-from pdserve import bench_serve_together as together
+from pdserve.bench import serve as bench_serve
+from pdserve.bench import serve_together as together
+from pdserve.bench import systems as bench_systems
 
 # A child that starts a grandchild listening on a port, then burns CPU until its own CPU time
 # reaches 0.4 s and says so.
@@ -105,9 +106,9 @@ def test_a_round_runs_on_the_held_servers_with_the_rounds_prompts(
     def no_server(*_: Any) -> None:
         raise AssertionError("a held system was started again")
 
-    monkeypatch.setattr(bench_serve, "run_workload", run_workload)
-    monkeypatch.setattr(bench_serve, "gateway_counters", lambda url: {"c": 1.0})
-    monkeypatch.setattr(bench_serve, "server", no_server)
+    monkeypatch.setattr(bench_systems, "run_workload", run_workload)
+    monkeypatch.setattr(bench_systems, "gateway_counters", lambda url: {"c": 1.0})
+    monkeypatch.setattr(bench_systems, "server", no_server)
     held = {"pdserve": together.Held("http://p", -1), "vllm": together.Held("http://v", -1)}
     args = _args(together=True, rounds=2, seed=0)
     raw, counters = bench_serve.run_round(
@@ -148,7 +149,7 @@ def test_the_monolith_engine_processes_move_to_the_idle_class() -> None:
             time.sleep(0.1)
         engine = next(c for c in children if "VLLM::EngineCore" in c.cmdline())
         helper = next(c for c in children if "helper" in c.cmdline())
-        assert bench_serve.engines_to_idle_class(server.pid) == [engine.pid]
+        assert bench_systems.engines_to_idle_class(server.pid) == [engine.pid]
         assert {os.sched_getscheduler(t.id) for t in engine.threads()} == {os.SCHED_IDLE}
         assert os.sched_getscheduler(helper.pid) == os.SCHED_OTHER
         assert os.sched_getscheduler(server.pid) == os.SCHED_OTHER
@@ -162,7 +163,7 @@ def test_the_monolith_engine_processes_move_to_the_idle_class() -> None:
 def test_the_idle_class_for_vllm_serve_is_refused_on_gpus(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pdserve import placement
+    from pdserve.placement import engines as placement
 
     monkeypatch.setattr(placement, "gpus_to_use", lambda gpus: ["0"])
     args = _args(vllm_engine_sched="idle", workloads="random")

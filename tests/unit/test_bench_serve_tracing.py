@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from pdserve import bench_serve, bench_serve_tracing
+from pdserve.bench import serve as bench_serve
+from pdserve.bench import serve_tracing as bench_serve_tracing
+from pdserve.bench import systems as bench_systems
 
 
 def result(rate: float, ttft: float, itl: float) -> dict[str, Any]:
@@ -77,15 +79,15 @@ def test_a_second_cluster_waits_for_its_own_banner(tmp_path: Any) -> None:
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
     with pytest.raises(RuntimeError, match="exited with 0"):
-        bench_serve._wait_for_banner(log, done, start, timeout_s=30)
+        bench_systems._wait_for_banner(log, done, start, timeout_s=30)
     with open(log, "a") as f:
         f.write("pdserve is up\n")
-    bench_serve._wait_for_banner(log, done, start, timeout_s=30)
+    bench_systems._wait_for_banner(log, done, start, timeout_s=30)
 
 
 def test_a_control_runs_both_arms_untraced_with_environments_of_one_size() -> None:
-    from pdserve import bench_gateway_tracing as tb
-    from pdserve import tracing
+    from pdserve.bench import gateway_tracing as tb
+    from pdserve.telemetry import tracing
 
     compare = bench_serve_tracing.arm_envs("compare", "http://127.0.0.1:4318", 1.0)
     assert tracing.exporter_names(compare["on"]) == ["otlp"]

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve import bench_serve
+from pdserve.bench import serve as bench_serve
+from pdserve.bench import systems as bench_systems
 
 
 def _args(*argv: str, **extra: Any) -> argparse.Namespace:
@@ -21,7 +22,7 @@ def _args(*argv: str, **extra: Any) -> argparse.Namespace:
 
 
 def _client_args(args: argparse.Namespace, tmp_path: Path) -> dict[str, str]:
-    [(label, argv)] = bench_serve.workload_runs("random", args, tmp_path)
+    [(label, argv)] = bench_systems.workload_runs("random", args, tmp_path)
     assert label == "random"
     flags = [i for i, a in enumerate(argv) if a.startswith("--")]
     return {argv[i]: (argv[i + 1] if i + 1 not in flags and i + 1 < len(argv) else "")
@@ -40,7 +41,7 @@ def test_random_requests_are_all_alike_unless_a_range_is_asked_for(tmp_path: Pat
 def test_vllms_client_takes_the_random_workloads_arguments(tmp_path: Path) -> None:
     from vllm.benchmarks import datasets
 
-    [(_, argv)] = bench_serve.workload_runs("random", _args("--range-ratio", "0.25"), tmp_path)
+    [(_, argv)] = bench_systems.workload_runs("random", _args("--range-ratio", "0.25"), tmp_path)
     parser = argparse.ArgumentParser()
     datasets.add_dataset_parser(parser)
     known, _ = parser.parse_known_args(argv)

@@ -13,8 +13,8 @@ from pathlib import Path
 SCRIPT = """
 import sys, time
 from pathlib import Path
-from pdserve.bench import stop_on_sigterm
-from pdserve.bench_serve import child_process
+from pdserve.bench.main import stop_on_sigterm
+from pdserve.bench.systems import child_process
 
 stop_on_sigterm()
 with child_process([sys.argv[1], "600"], {}, Path(sys.argv[2])) as server:

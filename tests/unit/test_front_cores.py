@@ -1,4 +1,4 @@
-"""pdserve's own threads on the prefill engines' cores (pdserve.front_cores)."""
+"""pdserve's own threads on the prefill engines' cores (pdserve.placement.front_cores)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from pdserve import front_cores
-from pdserve.front_cores import FRONT_ENV
-from pdserve.placement import Placement
-from pdserve.up import UpSettings, front_cores_env
+from pdserve.cluster.up import UpSettings, front_cores_env
+from pdserve.placement import front_cores
+from pdserve.placement.engines import Placement
+from pdserve.placement.front_cores import FRONT_ENV
 from pdserve.worker.vllm_plugin import SCHED_ENV
 
 ONE_EACH = [Placement(cpu_cores="0"), Placement(cpu_cores="1")]
@@ -69,7 +69,7 @@ def test_up_passes_them_to_the_gateway_and_the_workers(
 # (unskipped, the error left the first thread waiting and the probe hung).
 PROBE = """
 import os, threading
-from pdserve import front_cores
+from pdserve.placement import front_cores
 from pdserve.worker.vllm_plugin import for_each_thread
 before, stop = threading.Event(), threading.Event()
 threading.Thread(target=lambda: (before.set(), stop.wait()), daemon=True).start()
@@ -114,7 +114,7 @@ def test_without_a_usable_core_list_the_process_keeps_its_cores(value: str | Non
 def test_up_refuses_a_setting_that_is_no_core_list(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pdserve import up
+    from pdserve.cluster import up
 
     monkeypatch.setenv(FRONT_ENV, "first")
     assert up.run(argparse.Namespace()) == 2  # before anything starts

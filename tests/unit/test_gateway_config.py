@@ -39,7 +39,6 @@ def test_worker_lists_from_cli_override_env(monkeypatch: pytest.MonkeyPatch) -> 
     [
         {"decode_workers": ["no-port"]},
         {"prefill_failure_policy": "retry"},
-        {"picker": "nope"},
         {"request_timeout_s": 0},
     ],
 )
@@ -55,3 +54,20 @@ def test_settings_are_frozen_and_name_defaults_to_dir() -> None:
     assert settings.model_dir() == "/models/SmolLM2-135M-Instruct/"
     assert settings.model_name(settings.model_dir()) == "SmolLM2-135M-Instruct"
     assert GatewaySettings(served_model_name="x").model_name("/a/b") == "x"
+
+
+def test_an_unknown_picker_is_refused_before_anything_starts(capsys) -> None:
+    """The settings do not import the routing plugins: ``pdserve gateway`` checks the name
+    against the registry the plugins add themselves to, before it binds anything."""
+    import gateway.__main__ as gateway_main
+    from gateway.routing import plugins, registry
+
+    parser = argparse.ArgumentParser()
+    gateway_main.add_arguments(parser)
+    assert gateway_main.run(parser.parse_args(["--picker", "nope"])) == 2
+    assert "unknown picker 'nope'; known: auto, prefix, round_robin" in capsys.readouterr().err
+    assert set(plugins.BUILT_IN) == set(registry.PICKERS) == {"prefix", "round_robin"}
+    with pytest.raises(ValueError, match="unknown picker"):
+        registry.make_picker("nope", None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="taken"):
+        registry.register("prefix")(lambda context: None)  # type: ignore[arg-type,return-value]

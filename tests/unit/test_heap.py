@@ -1,4 +1,4 @@
-"""pdserve.heap: start-up objects leave the collector's generations; later ones do not."""
+"""pdserve.runtime.heap: start-up objects leave the collector's generations; later ones do not."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.heap import freeze_startup_objects
+from pdserve.runtime.heap import freeze_startup_objects
 
 
 @pytest.fixture

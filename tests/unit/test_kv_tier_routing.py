@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.kv_tier import TierIndex, tier_of, tier_tokens
 from gateway.metrics import GatewayMetrics
-from gateway.prefix_routing import PrefixPicker
+from gateway.routing.kv_tier import TierIndex, tier_of, tier_tokens
+from gateway.routing.prefix import PrefixPicker
 from pdserve.kvindex.hashing import block_hashes
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable
 from pdserve.kvindex.memory import MemoryIndex

@@ -9,7 +9,7 @@ from typing import get_args
 
 import pytest
 
-from pdserve import lmcache_deps
+from pdserve.worker import lmcache_deps
 from pdserve.worker.config import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,4 +103,4 @@ def test_the_pins_install_without_resolution_and_name_every_package() -> None:
     assert all(version[0].isdigit() for version in pins.values()), "exact pins only"
     makefile = (ROOT / "Makefile").read_text()
     assert "$(PIP) install -q --no-deps -r $(KV_TIER_REQUIREMENTS)" in makefile
-    assert "$(BIN)/python -m pdserve.lmcache_deps" in makefile
+    assert "$(BIN)/python -m pdserve.worker.lmcache_deps" in makefile

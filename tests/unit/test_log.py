@@ -1,4 +1,5 @@
-"""pdserve.log: the JSON and text formats, the request/trace id filter, the format switch."""
+"""pdserve.telemetry.log: the JSON and text formats, the request/trace id filter, the format
+switch."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from datetime import datetime, timedelta
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve import log as pdlog
-from pdserve import tracing
+from pdserve.telemetry import log as pdlog
+from pdserve.telemetry import tracing
 
 
 def record(message: str = "hello %s", *args: object, **extra: object) -> logging.LogRecord:

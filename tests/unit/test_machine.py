@@ -1,8 +1,8 @@
-"""``pdserve.machine``: CPU model and ISA features from /proc/cpuinfo or lscpu text."""
+"""``pdserve.placement.machine``: CPU model and ISA features from /proc/cpuinfo or lscpu text."""
 
 from __future__ import annotations
 
-from pdserve.machine import _from_lscpu, _from_proc, cpu_info, describe
+from pdserve.placement.machine import _from_lscpu, _from_proc, cpu_info, describe
 
 PROC = """processor\t: 0
 vendor_id\t: GenuineIntel

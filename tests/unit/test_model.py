@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import cli, model
+from pdserve import model
+from pdserve.cli import main as cli
 from pdserve.model import MANIFEST, ModelError, prepare, resolve_model, verify, write_manifest
 
 CONFIG = {

@@ -7,8 +7,9 @@ from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
-from gateway.prefix_routing import PrefixPicker, cacheable_tokens
-from gateway.routing import PickerContext, RouteRequest
+from gateway.routing.interfaces import RouteRequest
+from gateway.routing.prefix import PrefixPicker, cacheable_tokens
+from gateway.routing.registry import PickerContext
 from pdserve.kvindex.hashing import block_hashes
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable
 from pdserve.kvindex.memory import MemoryIndex

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from kv_transfer.auth import load_secret
-from pdserve import up
-from pdserve.grpc_auth import token, valid
-from pdserve.secret import SECRET_FILE_ENV, is_loopback
+from pdserve.cluster import up
+from pdserve.rpc.auth import token, valid
+from pdserve.rpc.secret import SECRET_FILE_ENV, is_loopback
 
 
 def test_up_writes_a_fresh_owner_only_secret_and_passes_only_its_path(

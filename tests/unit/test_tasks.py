@@ -1,11 +1,11 @@
-"""``pdserve.tasks.cancel_and_wait`` ends a loop that swallowed a cancellation, as Python
+"""``pdserve.runtime.tasks.cancel_and_wait`` ends a loop that swallowed a cancellation, as Python
 3.11's ``asyncio.wait_for`` (inside redis-py) does when the cancel meets a completed write."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.tasks import cancel_and_wait
 
 
 async def test_a_loop_that_swallows_one_cancellation_still_ends() -> None:

@@ -1,10 +1,10 @@
-"""The DistServe-style split of cores between prefill and decode (pdserve.topology)."""
+"""The DistServe-style split of cores between prefill and decode (pdserve.placement.topology)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.topology import best_split
+from pdserve.placement.topology import best_split
 
 
 def test_two_cores_are_always_one_and_one() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from pdserve.trace_hops import hops, main
+from pdserve.telemetry.trace_hops import hops, main
 
 MS = 1_000_000
 # (service, name, parent, start ms, end ms) of one request on the disaggregated path
@@ -74,7 +74,7 @@ def test_the_table_is_printed_and_bad_input_is_an_error(tmp_path: Path, capsys: 
 
 def test_the_receiver_dumps_every_span_it_received(tmp_path: Path) -> None:
     dump = tmp_path / "spans.json"
-    argv = [sys.executable, "-m", "pdserve.otlp_receiver", "--dump", str(dump)]
+    argv = [sys.executable, "-m", "pdserve.telemetry.otlp_receiver", "--dump", str(dump)]
     receiver = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert receiver.stdout is not None

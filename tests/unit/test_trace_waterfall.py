@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.trace_waterfall import main, tree_order
+from pdserve.telemetry.trace_waterfall import main, tree_order
 
 
 def span(span_id: str, parent: str, start: int, service: str = "pdserve-gateway") -> dict[str, Any]:

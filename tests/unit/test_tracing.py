@@ -1,4 +1,4 @@
-"""pdserve.tracing: configuration from the OTEL_* environment, the no-op path, and W3C
+"""pdserve.telemetry.tracing: configuration from the OTEL_* environment, the no-op path, and W3C
 context in and out (SDK in-memory exporter)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve import tracing
+from pdserve.telemetry import tracing
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -117,7 +117,7 @@ def test_a_span_fails_on_an_error_but_not_on_cancellation(spans: InMemorySpanExp
 def test_the_resource_hashes_as_the_sdks_once(spans: InMemorySpanExporter) -> None:
     from opentelemetry.sdk.resources import Resource
 
-    from pdserve.tracing_sdk import resource
+    from pdserve.telemetry.tracing_sdk import resource
 
     with tracing.span("x"):
         pass

@@ -12,20 +12,10 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve import settings as shared
-from pdserve.backoff import Backoff
-from pdserve.cli import build_parser
-from pdserve.placement import (
-    Placement,
-    assign_cpu_cores,
-    format_cores,
-    gpus_to_use,
-    lendable_cores,
-    parse_cores,
-    parse_gpu_list,
-    place_engines,
-)
-from pdserve.supervisor import ChildExitPolicy
-from pdserve.up import (
+from pdserve.cli.main import build_parser
+from pdserve.cluster.backoff import Backoff
+from pdserve.cluster.supervisor import ChildExitPolicy
+from pdserve.cluster.up import (
     UpSettings,
     add_arguments,
     build_specs,
@@ -36,6 +26,16 @@ from pdserve.up import (
     served_model_name,
     shared_ports,
     supervisor_options,
+)
+from pdserve.placement.engines import (
+    Placement,
+    assign_cpu_cores,
+    format_cores,
+    gpus_to_use,
+    lendable_cores,
+    parse_cores,
+    parse_gpu_list,
+    place_engines,
 )
 
 PY = (sys.executable, "-m", "pdserve")
@@ -148,7 +148,7 @@ def test_parse_gpu_list_ignores_mig_lines() -> None:
 
 
 def test_gpus_named_win_over_detected_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr("pdserve.placement.engines.detect_gpus", lambda: ["0", "1"])
     assert gpus_to_use("2, 3") == ["2", "3"]
     assert gpus_to_use("") == ["0", "1"], "none named: every GPU nvidia-smi shows"
     assert gpus_to_use(" , ") == ["0", "1"], "a list naming none names none"

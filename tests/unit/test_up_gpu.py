@@ -29,10 +29,10 @@ import pytest
 from decode_service.config import DecodeSettings
 from kv_transfer import compat
 from pdserve import settings as shared
-from pdserve import up_gpu
-from pdserve.cli import build_parser
-from pdserve.supervisor import ChildSpec
-from pdserve.up import UpSettings, add_arguments, build_specs, busy_ports, run
+from pdserve.cli.main import build_parser
+from pdserve.cluster import gpu as up_gpu
+from pdserve.cluster.supervisor import ChildSpec
+from pdserve.cluster.up import UpSettings, add_arguments, build_specs, busy_ports, run
 from pdserve.worker import engine
 from prefill_service.config import PrefillSettings
 
@@ -193,7 +193,7 @@ def test_side_channel_ports_in_use_are_refused() -> None:
 def test_run_refuses_the_pdserve_connector_on_gpus(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: ["0"])
+    monkeypatch.setattr("pdserve.placement.engines.detect_gpus", lambda: ["0"])
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert run(parser.parse_args(["--kv-connector", "pdserve"])) == 2
@@ -222,7 +222,7 @@ def test_side_channel_host_is_the_advertised_address() -> None:
 def test_gpus_given_are_used_instead_of_detected_ones(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("pdserve.placement.detect_gpus", lambda: [])
+    monkeypatch.setattr("pdserve.placement.engines.detect_gpus", lambda: [])
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert run(parser.parse_args(["--gpus", "2, 3", "--kv-connector", "pdserve"])) == 2

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 
 from decode_service.config import DecodeSettings
 from pdserve import settings as shared
-from pdserve import up_tier
-from pdserve.cli import build_parser
-from pdserve.supervisor import ChildSpec
-from pdserve.up import (
+from pdserve.cli.main import build_parser
+from pdserve.cluster import tier as up_tier
+from pdserve.cluster.supervisor import ChildSpec
+from pdserve.cluster.up import (
     UpSettings,
     add_arguments,
     build_specs,

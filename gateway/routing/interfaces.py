@@ -1,0 +1,83 @@
+"""What a picker sees and returns, and the protocols of routing plugins.
+
+- ``Picker``: chooses the prefill and decode worker of one request (registered by name in
+  ``gateway.routing.registry``).
+- ``RouteFeedback``: what a picker learns once a routed prompt was computed (the prefix
+  picker keeps the shared KV tier's index entries with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.pool import DecodeWorker, PrefillWorker, Worker
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a picker may base its choice on."""
+
+    request_id: str
+    model: str
+    token_ids: Sequence[int]
+
+
+class RouteFeedback(Protocol):
+    """Carried by a ``Route`` (``feedback``) back to its picker, about the routed prompt only
+    (not a migration's longer one)."""
+
+    def computed(self, worker: Worker[Any], cached_tokens: int) -> None:
+        """``worker`` computed the prompt and reported ``cached_tokens`` of it served from its
+        caches (vLLM's own and its KV tier). Called once per computation (a prefill worker's
+        answer; the decode worker's finish on the local path); must not block: any I/O goes
+        to the background."""
+        ...
+
+
+@dataclass(frozen=True)
+class Route:
+    """The chosen workers; ``prefill`` None: the decode worker computes the prompt.
+
+    ``predicted_cached_tokens``: what the picker expects the computing worker's caches (its
+    own and its shared KV tier) to serve (None: no prediction); compared with what the worker
+    reports. ``feedback``: told what computing the prompt showed (None: the picker learns
+    nothing from it).
+    """
+
+    prefill: PrefillWorker | None
+    decode: DecodeWorker
+    predicted_cached_tokens: int | None = None
+    feedback: RouteFeedback | None = None
+
+
+class CompatibilityCheck(Protocol):
+    def __call__(self, prefill: PrefillWorker, decode: DecodeWorker) -> bool: ...
+
+
+class Picker(Protocol):
+    """Chooses workers for one request.
+
+    ``pick`` gets only healthy workers (the pool filters first) and a ``compatible(p, d)``
+    predicate that is False when the two workers' ``kv_compat`` differ: a picker must never
+    return such a pair. It returns a ``Route``: ``prefill`` None means the decode worker
+    computes the prompt itself ("local" path, e.g. no prefill worker fits or the uncached part
+    is short). ``decode`` is never empty in the input; raising ``NoWorkerAvailable`` is how a
+    picker refuses. ``pick`` may await (e.g. a Redis lookup) but should not take long: it runs
+    before every request's first token.
+    """
+
+    name: str
+
+    async def pick(
+        self,
+        request: RouteRequest,
+        prefill: Sequence[PrefillWorker],
+        decode: Sequence[DecodeWorker],
+        compatible: CompatibilityCheck,
+    ) -> Route: ...
+
+    async def close(self) -> None:
+        """Let background work (index writes) finish; called once when the gateway stops."""
+        ...

@@ -1,0 +1,169 @@
+"""Cache- and load-aware routing on the Redis prefix index (picker ``prefix``).
+
+For a request it hashes the token ids' full blocks exactly as vLLM does, asks the index in
+one round trip how long a prefix each candidate worker, and each shared KV tier of one
+(``gateway.routing.kv_tier``), holds, and scores every worker::
+
+    score = prefix_weight * cached_share - load_weight * load / (1 + highest load)
+            - kv_usage_weight * KV cache usage
+
+where ``cached_share`` counts the tokens of the worker's own cache fully and those only its
+tier adds at ``tier_hit_weight`` each; the worker is predicted to be served the larger of
+the two.
+
+The best decode worker is chosen first; if the part of the prompt it does not hold is at
+most ``disagg_min_uncached_tokens``, it computes the prompt itself (conditional
+disaggregation); otherwise the best compatible prefill worker computes it. Ties go round
+robin. With the index unreachable every prefix share is 0: routing by load only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gateway.errors import NoWorkerAvailable
+from gateway.offload import Offload
+from gateway.pool import DecodeWorker, PrefillWorker, Worker
+from gateway.routing.interfaces import CompatibilityCheck, Route, RouteRequest
+from gateway.routing.kv_tier import TierFeedback, TierIndex, tier_of, tier_tokens
+from gateway.routing.registry import PickerContext, register
+from pdserve.kvindex.hashing import block_hashes
+from pdserve.kvindex.interfaces import IndexUnavailable
+
+log = logging.getLogger(__name__)
+
+W = TypeVar("W", bound=Worker[Any])
+
+
+def cacheable_tokens(blocks: int, block_size: int, prompt_len: int) -> int:
+    """Prompt tokens vLLM serves from a cache holding ``blocks`` leading blocks: whole
+    blocks only, and never the last prompt token (it is always recomputed)."""
+    return min(blocks * block_size, (prompt_len - 1) // block_size * block_size)
+
+
+@dataclass(frozen=True)
+class Cached:
+    """Prompt tokens a worker would not compute: served by its own cache, by its tier."""
+
+    own: int = 0
+    tier: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """What vLLM would report: the tier is asked only beyond the local hit."""
+        return max(self.own, self.tier)
+
+    def weighted(self, tier_hit_weight: float) -> float:
+        return self.own + tier_hit_weight * max(0, self.tier - self.own)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    cached: dict[str, Cached]  # worker id -> its prediction (a worker not named: nothing)
+    feedback: TierFeedback | None = None
+
+
+@register("prefix")
+class PrefixPicker:
+    name = "prefix"
+
+    def __init__(self, context: PickerContext) -> None:
+        self.settings = context.settings
+        self.metrics = context.metrics
+        self.index = context.index
+        self.offload = context.offload or Offload(0)
+        self.tiers = (
+            None
+            if context.index is None
+            else TierIndex(context.index, context.metrics, context.settings.tier_index_max_blocks)
+        )
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._index_down = False
+
+    async def close(self) -> None:
+        if self.tiers is not None:
+            await self.tiers.close()
+
+    async def pick(
+        self,
+        request: RouteRequest,
+        prefill: Sequence[PrefillWorker],
+        decode: Sequence[DecodeWorker],
+        compatible: CompatibilityCheck,
+    ) -> Route:
+        if not decode:
+            raise NoWorkerAvailable("no healthy decode worker")
+        known = await self._lookup(request, [*prefill, *decode])
+        cached = known.cached if known else {}
+        feedback = known.feedback if known else None
+        n = len(request.token_ids)
+        chosen = self._best(decode, cached, n)
+        d_cached = cached.get(chosen.worker_id, Cached()).tokens
+        fits = [p for p in prefill if compatible(p, chosen)]
+        # Without the index there is no prediction (None), rather than a guess of 0 tokens.
+        if not fits or n - d_cached <= self.settings.disagg_min_uncached_tokens:
+            predicted = None if known is None else d_cached
+            return Route(None, chosen, predicted_cached_tokens=predicted, feedback=feedback)
+        p = self._best(fits, cached, n)
+        predicted = None if known is None else cached.get(p.worker_id, Cached()).tokens
+        return Route(p, chosen, predicted_cached_tokens=predicted, feedback=feedback)
+
+    def _best(self, workers: Sequence[W], cached: dict[str, Cached], n: int) -> W:
+        top_load = max(w.load() for w in workers)
+        s = self.settings
+
+        def score(w: W) -> float:
+            share = cached.get(w.worker_id, Cached()).weighted(s.tier_hit_weight) / max(n, 1)
+            busy = w.load() / (1.0 + top_load)
+            return s.prefix_weight * share - s.load_weight * busy - s.kv_usage_weight * w.kv_usage()
+
+        start = next(self._turns[workers[0].role_name]) % len(workers)  # ties: round robin
+        rotated = [*workers[start:], *workers[:start]]
+        return max(rotated, key=score)
+
+    async def _lookup(
+        self, request: RouteRequest, workers: Sequence[PrefillWorker | DecodeWorker]
+    ) -> Lookup | None:
+        """What each worker's caches would serve of the prompt; None when the index cannot
+        tell (no index, or it is unreachable)."""
+        sizes = {w.capabilities.block_size for w in workers if w.capabilities}
+        if self.index is None or self.tiers is None or len(sizes) != 1 or not request.token_ids:
+            return None
+        block_size = sizes.pop()
+        hashes = await self.offload.run(
+            block_hashes, request.token_ids, block_size, self.settings.hash_seed
+        )
+        if not hashes:
+            return Lookup({})
+        tiers = {w.worker_id: t for w in workers if (t := tier_of(w, block_size))}
+        holders = sorted({t.holder for t in tiers.values()})
+        started = time.monotonic()
+        try:
+            blocks = await self.index.longest_prefixes(
+                request.model, hashes, [*(w.worker_id for w in workers), *holders]
+            )
+        except IndexUnavailable as exc:
+            self.metrics.index_errors.inc()
+            if not self._index_down:
+                log.warning("prefix index unavailable (%s); routing by load only", exc)
+            self._index_down = True
+            return None
+        self._index_down = False
+        self.metrics.index_lookup_seconds.observe(time.monotonic() - started)
+        n = len(request.token_ids)
+        cached = {}
+        for w in workers:
+            tier = tiers.get(w.worker_id)
+            cached[w.worker_id] = Cached(
+                cacheable_tokens(blocks.get(w.worker_id, 0), block_size, n),
+                tier_tokens(blocks.get(tier.holder, 0), block_size, tier.chunk, n) if tier else 0,
+            )
+        if not holders:
+            return Lookup(cached)
+        held = {h: blocks.get(h, 0) for h in holders}
+        return Lookup(cached, TierFeedback(self.tiers, request.model, hashes, block_size, n, held))

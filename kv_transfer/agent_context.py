@@ -1,0 +1,75 @@
+"""What a transfer process is handed, shared by its producer and consumer roles: its
+settings (``AgentConfig``, the first control message), the worker's KV cache mapped into it
+(``map_regions``) and the non-blocking channel for its results (``Reporter``).
+
+Below ``kv_transfer.producer`` and ``kv_transfer.consumer``; ``kv_transfer.agent`` (the
+process's entry point) sits above all three.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_transfer.layout import Layout
+from kv_transfer.wire import LineChannel
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    role: str  # "producer" | "consumer"
+    layout: Layout
+    region_fds: tuple[int, ...]
+    compat: dict[str, str]
+    bind_host: str = "0.0.0.0"
+    port: int = 0
+    lease_s: float = 30.0
+    register_wait_s: float = 10.0
+    io_timeout_s: float = 30.0
+    max_parallel: int = 8
+    # File holding the deployment secret ("" = none: the port is open, see kv_transfer.auth).
+    secret_file: str = ""
+    # Producer: connections served at once; more are closed at accept.
+    max_connections: int = 256
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "layout"}
+        data["region_fds"] = list(self.region_fds)
+        data["layout"] = self.layout.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AgentConfig:
+        data = dict(data)
+        data["layout"] = Layout.from_json(data["layout"])
+        data["region_fds"] = tuple(data["region_fds"])
+        return cls(**data)
+
+
+class Reporter:
+    """Sender of results to the worker that never blocks its caller.
+
+    The worker reads results once per engine step, and an idle engine takes no steps: a
+    blocking write would stall whoever reports (often while holding the producer's lock).
+    Results are queued and written by one writer thread instead (``LineChannel``).
+    """
+
+    def __init__(self, channel: LineChannel) -> None:
+        self.channel = channel
+        channel.start_writer("kv-report")
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.channel.send(message)
+
+
+def map_regions(config: AgentConfig) -> list[memoryview]:
+    views = []
+    for fd, size in zip(config.region_fds, config.layout.region_sizes, strict=True):
+        # MAP_POPULATE: fault the pages in now, not on the first pulls.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        views.append(memoryview(mmap.mmap(fd, size, flags=flags)))
+        os.close(fd)  # the mapping keeps the memory alive
+    return views

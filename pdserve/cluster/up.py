@@ -1,0 +1,504 @@
+"""``pdserve up``: a local cluster (prefill workers, decode workers, gateway), supervised.
+
+Every vLLM engine gets its own GPU or its own CPU cores (``pdserve.placement.engines``); on GPUs the
+workers move KV caches with vLLM's NixlConnector (``pdserve.cluster.gpu``). Starting, readiness,
+logs, restarts and shutdown are pdserve.cluster.supervisor's job; every process (workers, gateway,
+the private redis-server) is one of its children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import shlex
+import socket
+import sys
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings
+
+from pdserve import settings as shared
+from pdserve.cluster import gpu as up_gpu
+from pdserve.cluster import tier as up_tier
+from pdserve.cluster.backoff import Backoff
+from pdserve.cluster.redis_server import RedisServerError, answers, free_ports, server_command
+from pdserve.cluster.supervisor import (
+    ChildExitPolicy,
+    ChildSpec,
+    ReadyCheck,
+    Supervisor,
+    SupervisorOptions,
+)
+from pdserve.placement import front_cores
+from pdserve.placement.engines import (
+    Placement,
+    gpus_to_use,
+    lend_cores,
+    lendable_cores,
+    place_engines,
+    usable_cores,
+)
+from pdserve.rpc.secret import SECRET_FILE_ENV, secret_file, write_new
+from pdserve.worker.core_lending import CoreTable
+
+PROBE_RPC_TIMEOUT_S = 1.5
+# Children print as they go, so that a log tail shows the last thing that happened.
+CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
+# The default model names red, blue and yellow in float32 and in bfloat16 (asked for the
+# capital of France, it answers with a French phrase in bfloat16, as plain vLLM does).
+QUESTION = "Name three primary colors."
+
+
+class UpSettings(BaseSettings):
+    model_config = shared.base_config("PDSERVE_UP_")
+
+    prefill: int = Field(1, ge=0, description="prefill workers (0: decode workers do prompts)")
+    decode: int = Field(1, ge=1, description="decode workers")
+    model: str = Field("", description="model directory (empty: the prepared default model)")
+    host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
+    http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")
+    grpc_port: int = Field(shared.GATEWAY_GRPC_PORT, description="gateway gRPC port")
+    prefill_port: int = Field(shared.PREFILL_GRPC_PORT, description="gRPC port of prefill-0 (+i)")
+    decode_port: int = Field(shared.DECODE_GRPC_PORT, description="gRPC port of decode-0 (+i)")
+    kv_port: int = Field(shared.PREFILL_KV_PORT, description="KV port of prefill-0 (+i)")
+    kv_connector: up_gpu.ConnectorChoice = Field(
+        "auto",
+        description="KV connector of every worker: auto (nixl when GPUs are found, else "
+        "pdserve), pdserve (TCP, CPU KV caches only) or nixl (vLLM's NixlConnector)",
+    )
+    gpus: str = Field(
+        "", description="GPUs the engines use, e.g. '0' or '0,1' (default: every GPU found)"
+    )
+    nixl_port: int = Field(
+        up_gpu.DEFAULT_NIXL_PORT,
+        ge=1,
+        description="nixl: NIXL side-channel port of prefill-0; every worker takes the next "
+        "(prefill workers first, then decode workers)",
+    )
+    redis_url: str = Field(
+        "", description="Redis for discovery and the prefix index (empty: a private redis-server)"
+    )
+    prefill_engine_args: str = Field(
+        "", description="vLLM engine arguments of prefill workers (--prefill-engine-args='--x 1')"
+    )
+    decode_engine_args: str = Field("", description="vLLM engine arguments of decode workers")
+    kv_tier: up_tier.TierKind = Field(
+        "off",
+        description="second KV tier (LMCache) of every worker (docs/kv-tier.md): off; cpu or "
+        "disk (each worker its own); redis, fs or lm (shared by all workers)",
+    )
+    kv_tier_url: str = Field(
+        "",
+        description="where the tier lives: redis://host:port/db (redis without it: a private "
+        "redis-server with --kv-tier-redis-gib), a directory (fs; disk: one subdirectory per "
+        "worker), lm://host:port",
+    )
+    kv_tier_cpu_gib: float = Field(
+        1.0, gt=0, description="GiB of CPU memory each worker's LMCache keeps as its first level"
+    )
+    kv_tier_redis_gib: float = Field(
+        2.0,
+        gt=0,
+        description="maxmemory of the private tier redis-server (least recently used chunks "
+        "are evicted beyond it)",
+    )
+    cpu_lending: bool = Field(
+        True,
+        description="CPU, each engine on cores of its own: decode engines also compute on the "
+        "prefill engines' cores while those have nothing to compute (docs/benchmarks.md)",
+    )
+    log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="give up if not all ready by then (a restart: only a warning)"
+    )
+    shutdown_grace_s: float = Field(20.0, ge=0, description="SIGTERM to SIGKILL, per stage")
+    on_child_exit: Literal["restart", "stop-all"] = Field(
+        "restart",
+        description="a process that exits after it was ready: restart it after a backoff, "
+        "or stop everything (one that fails before it was ever ready always stops everything)",
+    )
+    restart_backoff_s: float = Field(
+        1.0, gt=0, description="wait before a restart; doubles with each restart in a row"
+    )
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
+    restart_reset_s: float = Field(
+        60.0, ge=0, description="ready this long: the next restart waits --restart-backoff-s again"
+    )
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> UpSettings:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError("restart_backoff_max_s must be >= restart_backoff_s")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_tier_works(self) -> UpSettings:
+        problem = up_tier.settings_problem(self.kv_tier, self.kv_tier_url, self.redis_url)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def grpc_serving(address: str) -> ReadyCheck:
+    """Ready once grpc.health.v1 ``Check(service="")`` answers SERVING."""
+
+    async def check() -> bool:
+        # The worker is on this machine: never go through an http_proxy from the environment.
+        options = [("grpc.enable_http_proxy", 0)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="")
+            try:
+                reply = await stub.Check(request, timeout=PROBE_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return check
+
+
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str, expect: dict[str, int] | None = None) -> ReadyCheck:
+    """Ready once ``GET url`` answers 200 (and its JSON body has at least ``expect``)."""
+
+    def get() -> bool:
+        try:
+            with _NO_PROXY_OPENER.open(url, timeout=PROBE_RPC_TIMEOUT_S) as reply:
+                if reply.status != 200:
+                    return False
+                body = json.loads(reply.read() or b"{}") if expect else {}
+        except (OSError, http.client.HTTPException, ValueError):  # refused, reset, bad body
+            return False
+        return all(int(body.get(key, 0)) >= n for key, n in (expect or {}).items())
+
+    async def check() -> bool:
+        return await asyncio.to_thread(get)
+
+    return check
+
+
+def client_host(host: str) -> str:
+    """The address a local client uses for a server listening on ``host``."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def served_model_name(model: str) -> str:
+    return Path(model.rstrip("/")).name if model else shared.DEFAULT_MODEL_NAME
+
+
+def _pdserve(*args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "pdserve", *args)
+
+
+def _engine_flags(s: UpSettings, placement: Placement, engine_args: str) -> list[str]:
+    flags = ["--model", s.model] if s.model else []
+    if placement.cpu_cores is not None:
+        flags += ["--cpu-cores", placement.cpu_cores]
+    if placement.lending_table:
+        flags += ["--cpu-lending", placement.lending_table]
+    if placement.borrow_cores:
+        flags += ["--cpu-borrow", placement.borrow_cores]
+    engine_args = up_gpu.with_memory_share(engine_args, placement.memory_share)
+    if engine_args:  # "=": a separate value starting with "--" would be read as a flag
+        flags.append(f"--engine-args={engine_args}")
+    return flags
+
+
+def worker_spec(
+    s: UpSettings,
+    role: str,
+    index: int,
+    placement: Placement,
+    connector: str = "pdserve",
+    after: tuple[str, ...] = (),
+) -> ChildSpec:
+    """``role`` is "prefill" or "decode"; worker ``i`` takes port base + ``i``; with nixl, its
+    side-channel port is ``--nixl-port`` + its place among all workers (prefill first)."""
+    name = f"{role}-{index}"
+    if role == "prefill":
+        port, engine_args = s.prefill_port + index, s.prefill_engine_args
+        kv_flags = ["--kv-port", str(s.kv_port + index)]
+    else:
+        port, engine_args, kv_flags = s.decode_port + index, s.decode_engine_args, []
+    if connector == "nixl":
+        prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, s.prefill, s.decode)
+        side = (prefill_ports if role == "prefill" else decode_ports)[index]
+        kv_flags = ["--kv-connector", "nixl", "--nixl-port", str(side)]
+    redis = ["--redis-url", s.redis_url] if s.redis_url else []
+    tier = up_tier.worker_flags(s.kv_tier, s.kv_tier_url, s.kv_tier_cpu_gib, name)
+    flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis, *tier]
+    argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
+    env = {**CHILD_ENV, **placement.env}
+    ready = grpc_serving(f"127.0.0.1:{port}")
+    return ChildSpec(name, argv, env, ready, stop_stage=1, after=after)
+
+
+def gateway_spec(s: UpSettings) -> ChildSpec:
+    prefill = [f"127.0.0.1:{s.prefill_port + i}" for i in range(s.prefill)]
+    decode = [f"127.0.0.1:{s.decode_port + i}" for i in range(s.decode)]
+    argv = _pdserve(
+        "gateway", "--http-host", s.host, "--http-port", str(s.http_port),
+        "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
+        # "=": an empty list (no prefill workers) stays an explicit empty value.
+        "--prefill-workers=" + ",".join(prefill), "--decode-workers=" + ",".join(decode),
+        *(["--redis-url", s.redis_url] if s.redis_url else []),
+    )  # fmt: skip
+    # Ready when the gateway itself sees every worker, so no first request goes local.
+    expect = {"healthy_prefill_workers": s.prefill, "healthy_decode_workers": s.decode}
+    health = http_ok(f"http://{client_host(s.host)}:{s.http_port}/health", expect)
+    return ChildSpec("gateway", argv, CHILD_ENV, health, stop_stage=0)
+
+
+def build_specs(
+    s: UpSettings, gpus: Sequence[str], cores: Sequence[int], lending_table: str = ""
+) -> tuple[list[ChildSpec], str | None]:
+    """Workers first, then the gateway (stopped first: stop_stage 0); and a sharing warning.
+    With ``lending_table``, decode engines borrow the prefill engines' cores where
+    ``placement.lend_cores`` allows it. Raises ``up_gpu.ConnectorError`` when the requested
+    connector cannot run here."""
+    connector = up_gpu.connector_for(s.kv_connector, gpus)
+    placements, warning = place_engines(s.prefill + s.decode, gpus, cores)
+    if lending_table:
+        placements = lend_cores(placements, s.prefill, lending_table)
+    names = [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
+    after = [
+        (names[j],) if j is not None else ()
+        for j in up_gpu.starts_after([p.gpu for p in placements])
+    ]
+    specs = []
+    for i, name in enumerate(names):
+        role, index = name.split("-")
+        specs.append(worker_spec(s, role, int(index), placements[i], connector, after[i]))
+    return [*specs, gateway_spec(s)], warning
+
+
+def redis_spec(port: int, name: str = "redis", maxmemory_bytes: int | None = None) -> ChildSpec:
+    """A private redis-server on ``port``, stopped last (the workers withdraw from it as they
+    stop); with ``maxmemory_bytes`` it evicts (see ``server_command``). Raises
+    ``RedisServerError`` when it is not installed."""
+    argv = tuple(server_command(port, maxmemory_bytes))
+
+    async def check() -> bool:
+        return await asyncio.to_thread(answers, port)
+
+    return ChildSpec(name, argv, {}, check, stop_stage=2)
+
+
+def private_redis_specs(s: UpSettings) -> tuple[UpSettings, list[ChildSpec]]:
+    """The private redis-servers ``s`` asks for (the index's without --redis-url; the tier's for
+    --kv-tier redis without --kv-tier-url), and ``s`` with their URLs filled in. Raises
+    ``RedisServerError`` when redis-server is not installed."""
+    specs: list[ChildSpec] = []
+    ports = iter(free_ports(2))  # different ones: chosen one after another they can repeat
+    if not s.redis_url:
+        port = next(ports)
+        specs.append(redis_spec(port))
+        s = s.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    if up_tier.private_redis(s.kv_tier, s.kv_tier_url):
+        port = next(ports)
+        limit = up_tier.maxmemory_bytes(s.kv_tier_redis_gib)
+        specs.append(redis_spec(port, "tier-redis", limit))
+        s = s.model_copy(update={"kv_tier_url": f"redis://127.0.0.1:{port}/0"})
+    return s, specs
+
+
+def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
+    return SupervisorOptions(
+        log_dir=log_dir,
+        startup_timeout_s=s.startup_timeout_s,
+        grace_s=s.shutdown_grace_s,
+        on_child_exit=ChildExitPolicy(s.on_child_exit),
+        backoff=Backoff(s.restart_backoff_s, s.restart_backoff_max_s, s.restart_reset_s),
+    )
+
+
+def cluster_ports(s: UpSettings, connector: str = "pdserve") -> list[tuple[str, int]]:
+    """(host, port) of every server of the cluster."""
+    wanted = [(s.host, s.http_port), (s.host, s.grpc_port)]
+    wanted += [("127.0.0.1", s.prefill_port + i) for i in range(s.prefill)]
+    wanted += [("127.0.0.1", s.decode_port + i) for i in range(s.decode)]
+    if connector == "nixl":
+        prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, s.prefill, s.decode)
+        wanted += [("127.0.0.1", port) for port in (*prefill_ports, *decode_ports)]
+    else:
+        wanted += [("127.0.0.1", s.kv_port + i) for i in range(s.prefill)]
+    return wanted
+
+
+def shared_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
+    """Ports given to more than one of the cluster's servers (each of N workers takes its
+    option's port + 0 .. N-1): the second server could never bind its port."""
+    ports = [port for _, port in cluster_ports(s, connector)]
+    return sorted({port for port in ports if port and ports.count(port) > 1})  # 0: any
+
+
+def busy_ports(s: UpSettings, connector: str = "pdserve") -> list[int]:
+    """Ports of the cluster that something already listens on (e.g. a previous ``up``)."""
+    busy = []
+    for host, port in cluster_ports(s, connector):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # As servers do: a port held only by TIME_WAIT connections is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def _python_command() -> str:
+    """This interpreter (it has the openai package), relative to the current directory if inside."""
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
+
+
+def ready_banner(s: UpSettings, log_dir: Path) -> str:
+    host, name = client_host(s.host), served_model_name(s.model)
+    base = f"http://{host}:{s.http_port}"
+    message = {"role": "user", "content": QUESTION}
+    body = json.dumps({"model": name, "messages": [message], "max_tokens": 32, "temperature": 0})
+    curl = (
+        f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(body)}"
+    )
+    code = (
+        f'from openai import OpenAI; c = OpenAI(base_url="{base}/v1", api_key="none"); '
+        f"print(c.chat.completions.create(model={json.dumps(name)}, "
+        f'messages=[{{"role": "user", "content": {json.dumps(QUESTION)}}}], '
+        "max_tokens=32, temperature=0)"
+        ".choices[0].message.content)"
+    )
+    return "\n".join(
+        [
+            f"pdserve is up: {s.prefill} prefill + {s.decode} decode worker(s), model {name}"
+            + ("" if s.kv_tier == "off" else f", KV tier {s.kv_tier}"),
+            f"  OpenAI API   {base}/v1   (health {base}/health, metrics {base}/metrics)",
+            f"  gRPC         {host}:{s.grpc_port}",
+            f"  logs         {log_dir}",
+            "Try it:",
+            f"  {curl}",
+            f"  {shlex.quote(_python_command())} -c {shlex.quote(code)}",
+            "Press Ctrl-C to stop (twice to kill at once).",
+        ]
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shared.cli_args(parser, UpSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        s = shared.from_args(UpSettings, args)
+    except ValidationError as exc:
+        print(f"pdserve up: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    problem = front_cores.setting_problem()
+    if problem:
+        print(f"pdserve up: {problem}", file=sys.stderr)
+        return 2
+    gpus = gpus_to_use(s.gpus)
+    try:
+        connector = up_gpu.connector_for(s.kv_connector, gpus)
+    except up_gpu.ConnectorError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    twice = shared_ports(s, connector)
+    if twice:
+        ports = ", ".join(map(str, twice))
+        print(f"pdserve up: port(s) {ports} given to more than one server (workers take their "
+              "option's port + 0, 1, ...: --prefill-port, --decode-port, --kv-port)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    busy = busy_ports(s, connector)
+    if busy:
+        ports = ", ".join(map(str, busy))
+        print(f"pdserve up: port(s) {ports} in use (another pdserve up?)", file=sys.stderr)
+        return 1
+    log_dir = Path(s.log_dir).resolve()
+    print(f"pdserve up: logs in {log_dir}", flush=True)
+    print(up_gpu.choice_line(connector, gpus, s.nixl_port, s.prefill + s.decode), flush=True)
+    secret_env = deployment_secret_env(log_dir)
+    given = s
+    try:
+        s, redis = private_redis_specs(s)
+    except RedisServerError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    if s.redis_url != given.redis_url:
+        print(f"pdserve up: private redis-server on {s.redis_url}", flush=True)
+    if s.kv_tier_url != given.kv_tier_url:
+        limit = f"maxmemory {s.kv_tier_redis_gib:g} GiB, allkeys-lru"
+        print(f"pdserve up: KV tier redis-server on {s.kv_tier_url} ({limit})", flush=True)
+    cores = usable_cores()
+    table = lending_table(s, gpus, cores, log_dir)
+    specs, warning = build_specs(s, gpus, cores, table)
+    front_env = front_cores_env(s, gpus, cores)
+    specs = [
+        *redis, *(replace(spec, env={**spec.env, **secret_env, **front_env}) for spec in specs)
+    ]  # fmt: skip
+    if warning:
+        print(warning, flush=True)
+    banner = ready_banner(s, log_dir)
+    options = supervisor_options(s, log_dir)
+    supervisor = Supervisor(specs, options, on_ready=lambda: print(banner, flush=True))
+    return asyncio.run(supervisor.run())
+
+
+def lending_table(s: UpSettings, gpus: Sequence[str], cores: Sequence[int], log_dir: Path) -> str:
+    """A new core lending table at ``<log_dir>/cpu-lending`` when this cluster's engines lend
+    cores (``--cpu-lending``, ``placement.lendable_cores``); its path, or "". Prints which."""
+    placements, _ = place_engines(s.prefill + s.decode, gpus, cores)
+    borrow = lendable_cores(placements, s.prefill) if s.cpu_lending else ""
+    if not borrow:
+        if not gpus:
+            why = ("it needs prefill and decode workers, each on cores of its own"
+                   if s.cpu_lending else "--no-cpu-lending")  # fmt: skip
+            print(f"pdserve up: core lending off ({why})", flush=True)
+        return ""
+    path = _prepared(log_dir) / "cpu-lending"
+    CoreTable.create(str(path), max(cores) + 1)
+    print(f"pdserve up: core lending: decode engines also compute on cores {borrow} while "
+          "the prefill engines there have nothing to compute (--no-cpu-lending: off)",
+          flush=True)  # fmt: skip
+    return str(path)
+
+
+def front_cores_env(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> dict[str, str]:
+    """The gateway's and the workers' ``FRONT_ENV`` (``pdserve.placement.front_cores``); prints
+    where their own threads run when it binds them."""
+    placements, _ = place_engines(s.prefill + s.decode, gpus, cores)
+    front = front_cores.front_cores(placements, s.prefill)
+    if front:
+        print(f"pdserve up: the gateway's and the workers' own threads run on the prefill "
+              f"engines' cores {front} ({front_cores.FRONT_ENV}= leaves them to the OS)",
+              flush=True)  # fmt: skip
+    return {front_cores.FRONT_ENV: front}
+
+
+def deployment_secret_env(log_dir: Path) -> dict[str, str]:
+    """The children's ``PDSERVE_SECRET_FILE``: the caller's, or a fresh secret written to
+    ``<log_dir>/secret`` (mode 0600) for this run. Only the path is passed (and logged)."""
+    if secret_file():
+        return {SECRET_FILE_ENV: str(Path(secret_file()).resolve())}
+    return {SECRET_FILE_ENV: str(write_new(_prepared(log_dir) / "secret"))}
+
+
+def _prepared(log_dir: Path) -> Path:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir

@@ -1,0 +1,157 @@
+"""Client-side gRPC plumbing shared by the typed worker clients.
+
+One place creates a ``grpc.aio`` channel with the same message-size limits as the servers
+(``pdserve.rpc.server``), builds the per-call metadata (the request id travels as
+``x-request-id``, the current span's W3C trace context as ``traceparent``; with a deployment
+secret each call carries its ``pdserve.rpc.auth`` token, so worker clients made anywhere in
+the process authenticate), turns
+``grpc.aio.AioRpcError`` into ``RpcCallError`` (so that callers never
+depend on grpc's exception types), and closes the channel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from pdserve.rpc.server import MAX_MESSAGE_BYTES
+from pdserve.telemetry import tracing
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_METADATA = "x-request-id"
+# Set by a worker (initial metadata) to say why a call failed beyond its status code, e.g.
+# "kv_transfer_failed": the decode worker is fine but could not pull the prompt's KV blocks.
+ERROR_REASON_METADATA = "x-pdserve-error"
+CLIENT_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Notice a dead peer on an idle channel within seconds, not at the next call's deadline.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+T = TypeVar("T")
+
+
+class RpcCallError(Exception):
+    """An outbound RPC failed.
+
+    ``code`` is the gRPC status name ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...), ``address`` and
+    ``method`` say which call; ``details`` is the server's message; ``reason`` is the worker's
+    ``x-pdserve-error`` metadata ("" when absent).
+    """
+
+    def __init__(
+        self, address: str, method: str, code: str, details: str, reason: str = ""
+    ) -> None:
+        super().__init__(f"{method} on {address} failed: {code}: {details}")
+        self.address = address
+        self.method = method
+        self.code = code
+        self.details = details
+        self.reason = reason
+
+    @property
+    def unreachable(self) -> bool:
+        """True when the peer could not be reached or did not answer in time."""
+        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+    @property
+    def caller_error(self) -> bool:
+        """True when the server refused the request itself (retrying elsewhere will not help)."""
+        return self.code in ("INVALID_ARGUMENT", "OUT_OF_RANGE", "ALREADY_EXISTS")
+
+
+def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID_METADATA, request_id),) if request_id else ()
+
+
+DEPLOYMENT_SECRET: Any = object()  # GrpcClient's default: pdserve.rpc.secret.deployment_secret()
+
+
+class GrpcClient:
+    """Owns one channel to ``address``; subclasses build their stub from ``self.channel``.
+
+    The channel is created once in the constructor (it connects lazily) and closed by
+    ``close()``; every call through ``unary``/``stream`` has a deadline.
+    """
+
+    def __init__(
+        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = DEPLOYMENT_SECRET
+    ) -> None:
+        """``secret``: bytes, None (send no token), or by default the process's deployment
+        secret (``pdserve.rpc.secret.deployment_secret``)."""
+        from pdserve.rpc.secret import deployment_secret
+
+        self.address = address
+        self.default_timeout_s = default_timeout_s
+        self.secret: bytes | None = deployment_secret() if secret is DEPLOYMENT_SECRET else secret
+        self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+
+    def _metadata(self, method: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
+        # The current span's W3C context (traceparent): the worker's spans join the trace.
+        metadata = request_metadata(request_id) + tracing.inject()
+        if self.secret is not None:
+            from pdserve.rpc.auth import AUTH_METADATA, token
+
+            metadata += ((AUTH_METADATA, token(self.secret, method)),)
+        return metadata
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> GrpcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _error(self, method: str, err: grpc.aio.AioRpcError) -> RpcCallError:
+        metadata = {str(k): str(v) for k, v in (err.initial_metadata() or ())}
+        reason = metadata.get(ERROR_REASON_METADATA, "")
+        return RpcCallError(self.address, method, err.code().name, err.details() or "", reason)
+
+    async def unary(
+        self,
+        method: str,
+        call: Callable[..., Awaitable[T]],
+        request: Any,
+        request_id: str | None,
+        timeout_s: float | None,
+    ) -> T:
+        """Run one unary call with a deadline and the request id as metadata."""
+        try:
+            return await call(
+                request,
+                timeout=timeout_s or self.default_timeout_s,
+                metadata=self._metadata(method, request_id),
+            )
+        except grpc.aio.AioRpcError as err:
+            raise self._error(method, err) from err
+
+    async def stream(
+        self,
+        method: str,
+        call: Callable[..., Any],
+        request: Any,
+        request_id: str | None,
+        timeout_s: float | None,
+    ) -> AsyncGenerator[Any, None]:
+        """Iterate a server-streaming call; closing or cancelling the iterator cancels the RPC."""
+        rpc = call(
+            request,
+            timeout=timeout_s or self.default_timeout_s,
+            metadata=self._metadata(method, request_id),
+        )
+        try:
+            async for message in rpc:
+                yield message
+        except grpc.aio.AioRpcError as err:
+            raise self._error(method, err) from err
+        finally:
+            # No-op when the call already finished; otherwise tells the server we are gone.
+            rpc.cancel()
