@@ -107,10 +107,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy pdserve gateway prefill_service decode_service kv_transfer protos
 
-unit: $(STAMP)
+# Each tier prepares what its tests need, so that any target works from a fresh checkout: the
+# unit and integration tiers read the default model's tokenizer and config, e2e runs it.
+unit: model
 	$(BIN)/python -m pytest -ra tests/unit
 
-integration: $(STAMP)
+integration: model
 	$(BIN)/python -m pytest -ra tests/integration
 
 e2e: model

@@ -2,7 +2,7 @@
 tokenization, block hashing. It keeps that work off the event loop, so one long prompt does
 not stall every other stream's tokens.
 
-What a thread buys (measured, see docs/benchmarks.md "Gateway overhead"): the HF fast
+What a thread buys (measured, see docs/benchmarks-history.md "Gateway overhead"): the HF fast
 tokenizer releases the GIL while it encodes (two threads encode ~1.9x as fast as one, and the
 event loop keeps running meanwhile), so encoding in a thread is real parallelism, and encoding
 is most of a prompt's cost. Jinja templates and the sha256/CBOR block hashes are Python and

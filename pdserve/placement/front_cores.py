@@ -9,8 +9,8 @@ prefill instead, which only the request that waits for it sees, and by a fractio
 length. ``pdserve up`` names those cores in ``FRONT_ENV`` for the gateway and the workers when
 they apply (``front_cores``); each process binds its own threads (``bind_this_process``): the
 gateway when it starts, a worker once its engine has started, so that the engine's processes
-keep the cores the worker was started with. docs/benchmarks.md, "pdserve's own threads on the
-prefill engine's core", has the measurement.
+keep the cores the worker was started with. docs/benchmarks-history.md, "pdserve's own threads on
+the prefill engine's core", has the measurement.
 """
 
 from __future__ import annotations

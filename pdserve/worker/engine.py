@@ -64,7 +64,7 @@ COMPILE_CACHE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 # at once. One prompt's worth per step finishes prompts one by one in arrival order, and each
 # goes on to decode while the next is prefilled. Measured with ``pdserve bench serve
 # --workloads random`` on an AVX2-only machine: throughput x0.69 -> x0.85-0.88 of the
-# monolith, TTFT p50 8.2 -> 3.3-3.6 s (docs/benchmarks.md). A 512-token prompt is one step
+# monolith, TTFT p50 8.2 -> 3.3-3.6 s (docs/benchmarks-history.md). A 512-token prompt is one step
 # either way; what four steps cost a 2,048-token prompt against one is not measured alone.
 PREFILL_STEP_TOKENS = 512
 PREFILL_STEP_WHY = (
@@ -93,13 +93,13 @@ def cpu_default_args(user: list[str], role: str = "") -> tuple[list[str], list[s
 ENGINE_SPIN_PAUSE_S = "0.0002"
 ENGINE_SPIN_PAUSE_MAX_S = "0.002"
 # The scheduling class of a CPU engine's processes (see vllm_plugin.lower_priority); measured:
-# docs/benchmarks.md, "The engines give way".
+# docs/benchmarks-history.md, "The engines give way".
 ENGINE_SCHED = "idle"
 # How long a borrowing engine's idle OpenMP threads spin before they sleep (libgomp counts
 # spins; its default, 300,000, is several milliseconds): long enough for the gaps between the
 # parallel regions of one step (microseconds), short enough that a thread does not keep its
 # core from the gateway and the workers' own processes for milliseconds after each step.
-# Measured: docs/benchmarks.md, "libgomp's spinning".
+# Measured: docs/benchmarks-history.md, "libgomp's spinning".
 BORROWER_SPIN_COUNT = "10000"
 # Memory allocators an engine may already have been given in LD_PRELOAD: the user's choice stands.
 PRELOADED_ALLOCATORS = ("libtcmalloc", "libjemalloc")
@@ -128,7 +128,7 @@ def cpu_preload(current: str, tcmalloc: str) -> tuple[str, str, bool]:
     vLLM asks for tcmalloc on the CPU (it warns at start-up without it). Measured with
     ``pdserve bench engine --engines vllm``, one core, the default model: prefill 609 vs 530
     tokens/s and decode 134 vs 100 tokens/s at batch 4 (glibc malloc; jemalloc: decode 121;
-    Intel OpenMP preloaded as well made both slower). See docs/benchmarks.md.
+    Intel OpenMP preloaded as well made both slower). See docs/benchmarks-history.md.
     """
     if any(name in current for name in PRELOADED_ALLOCATORS):
         return current, f"LD_PRELOAD as given: {current}", True
