@@ -57,7 +57,7 @@ ROLE_SETTINGS: dict[str, type[BaseSettings]] = {
 # PDSERVE_* variables that are not fields of a settings class, and the file that reads each.
 PROCESS_ENV = {
     "PDSERVE_CACHE_DIR": ROOT / "pdserve" / "settings.py",
-    "PDSERVE_SECRET_FILE": ROOT / "pdserve" / "secret.py",
+    "PDSERVE_SECRET_FILE": ROOT / "pdserve" / "rpc" / "secret.py",
 }
 # The KV connector's /dev/shm must hold the KV cache plus this much.
 SHM_HEADROOM_GIB = 0.5
