@@ -2,8 +2,8 @@
 
 ``Generation.open`` runs the prefill and waits for the decode worker's first chunk, so that
 every failure before the first token can still become a proper status code. ``events`` then
-yields ``TokenDelta``s and one final ``Finish``. Worker failures are retried, fall back or
-migrate as the table in ``gateway.recovery`` says. Whatever ends a generation early (client
+yields ``TokenDelta``s and one final ``Finish``. Phase changes and recoveries are decided by the
+transition functions of ``gateway.recovery``. Whatever ends a generation early (client
 gone, worker failure, consumer stopping) sends ``Abort`` to every worker the request touched,
 from a background task: the caller may itself be under cancellation and must not await the
 network. The prompt's KV blocks on the prefill worker are released with it: under our
@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from gateway import request_log
+from gateway import recovery, request_log
 from gateway.config import GatewaySettings
 from gateway.decode_stream import DecodeStream
 from gateway.errors import GatewayError, InvalidRequest, WorkerFailed, WorkerTimedOut
@@ -39,7 +39,7 @@ from gateway.events import (
 from gateway.metrics import GatewayMetrics
 from gateway.pairing import single_use_handoffs
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool, unless_down
-from gateway.recovery import Phase, alternative, backoff_s, continuation, migratable
+from gateway.recovery import Action, Phase, Transition, alternative, backoff_s, continuation
 from gateway.routing.interfaces import Route
 from pdserve.rpc.client import RpcCallError
 from pdserve.telemetry import tracing
@@ -191,15 +191,16 @@ class Generation:
     ) -> worker_pb2.KvTransferParams | None:
         """The hand-off of ``prompt``: tried on up to ``prefill_retries`` other prefill workers,
         then ``prefill_failure_policy`` (None: the decode worker computes the prompt)."""
+        if self.prefill is not None:
+            self.phase = recovery.advance(self.phase, Phase.PREFILLING)
         tried: list[PrefillWorker] = []
         while self.prefill is not None:
-            self.phase = Phase.PREFILLING
             worker = self.prefill
             self._call(worker, rid)
             try:
                 response = await self._prefill_call(worker, prompt, params, rid)
             except RpcCallError as err:
-                if err.caller_error:
+                if err.caller_error and recovery.on_invalid(self.phase).aborts:
                     raise InvalidRequest(
                         f"the prefill worker rejected the request: {err.details}"
                     ) from err
@@ -215,32 +216,41 @@ class Generation:
                     "request %s: prefill worker %s returned no kv_transfer_params; the "
                     "decode worker computes the prompt", rid, worker.address,
                 )  # fmt: skip
-                self._fall_back("no_handoff")
+                self._fall_back(recovery.on_no_handoff(self.phase), "no_handoff")
                 return None
             self._pool.mark_ok(worker)
-            self.phase = Phase.KV_STAGED
+            self.phase = recovery.advance(self.phase, Phase.KV_STAGED)
             self._staged = response.kv_transfer_params
             return response.kv_transfer_params
         return None
 
     async def _next_prefill(self, tried: list[PrefillWorker], err: RpcCallError) -> None:
         """Move to another prefill worker after a backoff, or apply the failure policy."""
-        retries = len(tried)
+        left = self._settings.prefill_retries - len(tried) + 1
         nxt = None
-        if retries <= self._settings.prefill_retries:
+        if left > 0:
             nxt = alternative(
                 self._pool.healthy_prefill(), tried, lambda w: w.load(),
                 lambda w: self._pool.compatible(w, self.decode),
             )  # fmt: skip
+        step = recovery.on_prefill_failed(self.phase, retries_left=left, another=nxt is not None,
+                                          policy=self._settings.prefill_failure_policy)  # fmt: skip
         failed = tried[-1]
-        if nxt is None:
-            self._prefill_exhausted(failed, err)
+        if step.aborts:  # policy "fail"
+            kind = WorkerTimedOut if err.code == "DEADLINE_EXCEEDED" else WorkerFailed
+            raise kind(
+                f"prefill worker {failed.address} failed: {err.code}", worker=failed.address
+            ) from err
+        if step.action is Action.LOCAL:  # policy "local"
+            self._fall_back(step, "prefill_failed", err)
             return
+        assert nxt is not None
+        self.phase = step.phase
         log.warning("request %s: %s; retrying on prefill worker %s", self.request_id, err,
                     nxt.address)  # fmt: skip
         self._metrics.retries.labels("prefill").inc()
         self.retries += 1
-        await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, retries))
+        await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, len(tried)))
         self._unhold(failed)
         self._hold(nxt)
         self.prefill = nxt
@@ -292,22 +302,12 @@ class Generation:
         if self._feedback is not None:
             self._feedback.computed(worker, cached_tokens)
 
-    def _prefill_exhausted(self, worker: PrefillWorker, err: RpcCallError) -> None:
-        """Named policy ``prefill_failure_policy``: "local" falls back, "fail" raises."""
-        if self._settings.prefill_failure_policy == "fail":
-            kind = WorkerTimedOut if err.code == "DEADLINE_EXCEEDED" else WorkerFailed
-            raise kind(
-                f"prefill worker {worker.address} failed: {err.code}", worker=worker.address
-            ) from err
-        log.warning(
-            "request %s: %s; the decode worker computes the prompt (policy 'local')",
-            self.request_id,
-            err,
-        )
-        self._fall_back("prefill_failed")
-
-    def _fall_back(self, reason: str) -> None:
-        """Continue on the local path; the prefill worker is told to free what it holds."""
+    def _fall_back(self, step: Transition, reason: str, err: Any = None, spent: str = "") -> None:
+        """LOCAL: continue on the local path; the prefill worker is told to free what it holds."""
+        if err is not None:
+            log.warning("request %s: %s; %sthe decode worker computes the prompt (policy 'local')",
+                        self.request_id, err, spent)  # fmt: skip
+        self.phase = step.phase
         if self.prefill is not None:
             for worker, rid in [c for c in self._calls if c[0] is self.prefill]:
                 self._cancel_call(worker, rid)
@@ -335,37 +335,38 @@ class Generation:
             except WorkerFailed as err:
                 self._cancel_call(self.decode, rid)
                 rid = new_attempt_id()
-                local_ok = self._settings.prefill_failure_policy == "local"
                 if handoff is not None and err.reason == KV_TRANSFER_FAILED:
-                    if not local_ok:
-                        raise
-                    log.warning("request %s: %s; the decode worker computes the prompt "
-                                "(policy 'local')", self.request_id, err.message)  # fmt: skip
-                    self._fall_back(KV_TRANSFER_FAILED)
+                    self._handoff_gone(err, KV_TRANSFER_FAILED)
                     handoff = None
                     continue
                 tried.append(self.decode)
                 self._next_decode(tried, err)
                 if handoff is not None and self._single_use():
                     # The failed decode worker may have read it: its blocks may be gone.
-                    if not local_ok:
-                        raise
-                    log.warning("request %s: %s; the hand-off is spent, the decode worker "
-                                "computes the prompt (policy 'local')", self.request_id,
-                                err.message)  # fmt: skip
-                    self._fall_back("handoff_spent")
+                    self._handoff_gone(err, "handoff_spent", "the hand-off is spent, ")
                     handoff = None
                 await asyncio.sleep(backoff_s(self._settings.retry_backoff_s, len(tried)))
 
+    def _handoff_gone(self, err: WorkerFailed, reason: str, spent: str = "") -> None:
+        """The hand-off can no longer be pulled: the local path (policy "local"), or ``err``."""
+        step = recovery.on_pull_failed(self.phase, policy=self._settings.prefill_failure_policy)
+        if step.aborts:
+            raise err
+        self._fall_back(step, reason, err.message, spent)
+
     def _next_decode(self, tried: list[DecodeWorker], err: WorkerFailed) -> None:
+        left = self._settings.decode_retries - len(tried) + 1
         nxt = None
-        if len(tried) <= self._settings.decode_retries:
+        if left > 0:
             nxt = alternative(
                 self._pool.healthy_decode(), tried, lambda w: w.load(),
                 lambda w: self.prefill is None or self._pool.compatible(self.prefill, w),
             )  # fmt: skip
-        if nxt is None:
+        step = recovery.on_decode_failed_before_first_token(self.phase, retries_left=left,
+                                                            another=nxt is not None)  # fmt: skip
+        if step.aborts or nxt is None:
             raise err
+        self.phase = step.phase
         log.warning("request %s: %s; retrying on decode worker %s", self.request_id,
                     err.message, nxt.address)  # fmt: skip
         self._metrics.retries.labels("decode").inc()
@@ -403,7 +404,7 @@ class Generation:
                 f"decode worker {self.decode.address} ended the stream without a token",
                 worker=self.decode.address,
             )
-        self.phase = Phase.DECODING
+        self.phase = recovery.advance(self.phase, Phase.DECODING)
 
     async def _close_stream(self) -> None:
         if self._stream is not None:
@@ -421,17 +422,15 @@ class Generation:
                     worker=self.decode.address,
                 )
             return chunk
-        except InvalidRequest:
-            raise
-        except WorkerFailed as err:
+        except WorkerFailed as err:  # an InvalidRequest is none: the table's INVALID row
             return await self._migrate(err)
 
     async def _migrate(self, err: WorkerFailed) -> worker_pb2.DecodeChunk:
         """Continue the generation on another decode worker: the prompt and the tokens so far
         are prefilled again (through a prefill worker when one is healthy) and decoding goes
         on from there. Raises ``err`` when the request cannot move."""
-        why = migratable(self.params)
-        if why or self._migrations >= self._settings.max_migrations:
+        why, lost_in = recovery.migratable(self.params), self.phase
+        if self._stream_lost(lost_in, why, None).aborts:
             if why:
                 log.warning("request %s: %s; %s", self.request_id, err.message, why)
             raise err
@@ -444,10 +443,12 @@ class Generation:
             return worker_pb2.DecodeChunk(finish_reason="length")
         tried: list[DecodeWorker] = [failed]
         while True:
-            self._migrations += 1
             nxt = alternative(self._pool.healthy_decode(), tried, lambda w: w.load())
-            if nxt is None:
+            step = self._stream_lost(lost_in, why, nxt is not None)
+            self._migrations += 1  # an attempt, counted even when it finds no worker
+            if step.aborts or nxt is None:
                 raise err
+            self.phase = step.phase  # ADMITTED: the prompt and the tokens so far, again
             self._metrics.retries.labels("migration").inc()
             log.warning("request %s: %s; continuing on decode worker %s after %d tokens "
                         "(migration %d)", self.request_id, err.message, nxt.address,
@@ -462,13 +463,19 @@ class Generation:
             try:
                 await self._run(prompt, params, new_attempt_id())
             except WorkerFailed as again:
-                if self._migrations >= self._settings.max_migrations:
+                if self._stream_lost(lost_in, why, None).aborts:
                     raise
                 err = again
                 tried.append(nxt)
                 continue
             assert self._first is not None
             return self._first
+
+    def _stream_lost(self, lost_in: Phase, why: str, another: bool | None) -> Transition:
+        """The STREAM_LOST row for the stream lost in ``lost_in``: each migration recovers it."""
+        left = self._settings.max_migrations - self._migrations
+        return recovery.on_stream_lost(lost_in, migrations_left=left, structured=bool(why),
+                                       another=another)  # fmt: skip
 
     def _pick_prefill(self, decode: DecodeWorker) -> None:
         """The prefill worker of a migrated request: the least loaded compatible healthy one
@@ -524,7 +531,7 @@ class Generation:
         return TokenDelta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs))
 
     async def _finish(self, chunk: worker_pb2.DecodeChunk) -> Finish:
-        if chunk.finish_reason == "error":
+        if chunk.finish_reason == "error" and recovery.on_engine_error(self.phase).aborts:
             raise WorkerFailed(
                 f"decode worker {self.decode.address} reported an error", worker=self.decode.address
             )
@@ -542,15 +549,12 @@ class Generation:
         phases = self._metrics.phases(
             self._prefill_engine if self.prefill else None, engine, transfer, self._prefill_call_s
         )
-        self._end_decode_span(
-            {
-                "pdserve.finish_reason": chunk.finish_reason,
-                "pdserve.completion_tokens": len(self._generated),
-                "pdserve.kv.bytes": transfer.kv_bytes_received,
-                "pdserve.kv.blocks": transfer.kv_blocks_received,
-            }
-        )
+        self._end_decode_span({"pdserve.finish_reason": chunk.finish_reason,
+                               "pdserve.completion_tokens": len(self._generated),
+                               "pdserve.kv.bytes": transfer.kv_bytes_received,
+                               "pdserve.kv.blocks": transfer.kv_blocks_received})  # fmt: skip
         self._done = True
+        self.phase = recovery.advance(self.phase, Phase.DONE)
         self._calls.clear()  # every call ended normally
         self._given.clear()
         self._pool.mark_ok(self.decode)
@@ -582,6 +586,7 @@ class Generation:
         if self._done:
             return
         self._done = True
+        self.phase = recovery.on_ended_early(self.phase).phase  # ABORT, carried out here
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
         request_log.generation_ended(self._logged(), outcome)
@@ -595,20 +600,14 @@ class Generation:
 
     def _logged(self) -> request_log.RoutedRequest:
         return request_log.RoutedRequest(
-            edge_id=self.edge_id,
-            request_id=self.request_id,
-            trace_id=self.trace_id,
-            endpoint=self.endpoint,
-            path=self.path,
+            edge_id=self.edge_id, request_id=self.request_id, trace_id=self.trace_id,
+            endpoint=self.endpoint, path=self.path,
             prefill_worker=self.prefill.worker_id if self.prefill else "local",
-            decode_worker=self.decode.worker_id,
-            prompt_tokens=len(self.token_ids),
-            completion_tokens=self.completion_tokens,
-            retries=self.retries,
-            migrations=self.migrations,
-            received_at=self.received_at,
+            decode_worker=self.decode.worker_id, prompt_tokens=len(self.token_ids),
+            completion_tokens=self.completion_tokens, retries=self.retries,
+            migrations=self.migrations, received_at=self.received_at,
             first_token_at=self.first_token_at,
-        )
+        )  # fmt: skip
 
     def _end_decode_span(self, attributes: dict[str, Any], error: str | None = None) -> None:
         span, self._decode_span = self._decode_span, tracing.NO_SPAN
