@@ -4,7 +4,8 @@ One place creates a ``grpc.aio`` channel with the same message-size limits as th
 (``pdserve.rpc.server``), builds the per-call metadata (the request id travels as
 ``x-request-id``, the current span's W3C trace context as ``traceparent``; with a deployment
 secret each call carries its ``pdserve.rpc.auth`` token, so worker clients made anywhere in
-the process authenticate), turns
+the process authenticate; once a worker's GetCapabilities reply has announced its id, the
+tokens are bound to it, and other workers refuse them), turns
 ``grpc.aio.AioRpcError`` into ``RpcCallError`` (so that callers never
 depend on grpc's exception types), and closes the channel.
 """
@@ -90,15 +91,20 @@ class GrpcClient:
         self.address = address
         self.default_timeout_s = default_timeout_s
         self.secret: bytes | None = deployment_secret() if secret is DEPLOYMENT_SECRET else secret
+        # The id the worker at ``address`` announced in its last GetCapabilities reply: tokens
+        # are bound to it ("": none announced, or a call since was refused UNAUTHENTICATED).
+        self.worker_id = ""
         self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
     def _metadata(self, method: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
         # The current span's W3C context (traceparent): the worker's spans join the trace.
         metadata = request_metadata(request_id) + tracing.inject()
         if self.secret is not None:
-            from pdserve.rpc.auth import AUTH_METADATA, token
+            from pdserve.rpc.auth import AUTH_METADATA, IDENTITY_RPC, token
 
-            metadata += ((AUTH_METADATA, token(self.secret, method)),)
+            # GetCapabilities is never bound: its reply is how the client (re)learns the id.
+            bound = "" if method == IDENTITY_RPC else self.worker_id
+            metadata += ((AUTH_METADATA, token(self.secret, method, worker_id=bound)),)
         return metadata
 
     async def close(self) -> None:
@@ -111,6 +117,9 @@ class GrpcClient:
         await self.close()
 
     def _error(self, method: str, err: grpc.aio.AioRpcError) -> RpcCallError:
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            # Another worker may have taken over the address: unbound until it announces.
+            self.worker_id = ""
         metadata = {str(k): str(v) for k, v in (err.initial_metadata() or ())}
         reason = metadata.get(ERROR_REASON_METADATA, "")
         return RpcCallError(self.address, method, err.code().name, err.details() or "", reason)
@@ -124,14 +133,21 @@ class GrpcClient:
         timeout_s: float | None,
     ) -> T:
         """Run one unary call with a deadline and the request id as metadata."""
+        from pdserve.rpc.auth import IDENTITY_RPC, WORKER_METADATA
+
         try:
-            return await call(
+            rpc: Any = call(
                 request,
                 timeout=timeout_s or self.default_timeout_s,
                 metadata=self._metadata(method, request_id),
             )
+            reply: T = await rpc
+            if method == IDENTITY_RPC and self.secret is not None:
+                trailers = {str(k): str(v) for k, v in (await rpc.trailing_metadata() or ())}
+                self.worker_id = trailers.get(WORKER_METADATA, "")
         except grpc.aio.AioRpcError as err:
             raise self._error(method, err) from err
+        return reply
 
     async def stream(
         self,

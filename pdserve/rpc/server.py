@@ -1,7 +1,10 @@
 """gRPC server bootstrap shared by the gateway and the workers.
 
 One place creates a ``grpc.aio`` server with grpc.health.v1 health and server reflection,
-binds it, and stops it gracefully; services only register their servicers.
+binds it, and stops it gracefully; services only register their servicers. A server given the
+deployment secret (a worker) also refuses unauthenticated calls unread (``pdserve.rpc.auth``),
+bounds the streams one connection may have open at once and keeps each stream's receive window
+at 64 KiB (``WORKER_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,27 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Streams one connection may have open at once on a worker (HTTP/2 SETTINGS_MAX_CONCURRENT_
+# STREAMS). Past it grpc's client makes a new call wait for a stream to end, or the server
+# refuses it (REFUSED_STREAM: UNAVAILABLE, never processed) when the client's count races the
+# server's, and a gateway takes UNAVAILABLE for a failing worker. A gateway has one connection
+# per worker, and a Decode stream lasts the whole generation, so the bound sits well above
+# what one gateway sends one worker: twice vLLM's largest default batch (max_num_seqs 1024 on
+# H100/H200); the gateway's admission control answers 429 once every worker has
+# max_queue_per_worker (64 by default) requests.
+WORKER_MAX_STREAMS = 2048
+# What worker servers add to SERVER_OPTIONS. Without BDP probing the receive window of a stream
+# nobody reads stays at grpc's initial 64 KiB, so a refused call (``pdserve.rpc.auth``) brings
+# at most that much of its body into the process before its reset. With it, the windows grow
+# with the traffic, refused bodies included: three waves of 512 concurrent unauthenticated
+# 256 KiB calls grew a worker by 82-135 MiB with it, 8-25 MiB without
+# (tests/integration/test_worker_preauth.py). Authenticated 8 MiB calls took as long either way
+# on loopback; over a real network a large body may take more round trips than with windows
+# grown by BDP probing.
+WORKER_OPTIONS = [
+    ("grpc.max_concurrent_streams", WORKER_MAX_STREAMS),
+    ("grpc.http2.bdp_probe", 0),
+]
 
 
 class GrpcServer:
@@ -40,14 +64,21 @@ class GrpcServer:
         register: Iterable[Callable[[grpc.aio.Server], None]],
         service_names: Iterable[str],
         secret: bytes | None = None,
+        worker_id: str = "",
     ) -> None:
         """With ``secret``, every call but health and reflection must carry a valid
-        ``pdserve.rpc.auth`` token (internal services: the workers)."""
+        ``pdserve.rpc.auth`` token (internal services: the workers), refused unread without
+        one, and the server runs with ``WORKER_OPTIONS``. ``worker_id`` (with ``secret``): this
+        worker's own name, announced to clients; tokens bound to another worker are refused."""
         from pdserve.rpc.auth import AuthInterceptor
 
         self.address = f"{host}:{port}"
-        interceptors = [AuthInterceptor(secret)] if secret is not None else []
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        options = list(SERVER_OPTIONS)
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if secret is not None:
+            options += WORKER_OPTIONS
+            interceptors.append(AuthInterceptor(secret, worker_id))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer()

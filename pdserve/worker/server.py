@@ -164,7 +164,9 @@ async def serve(
         return 1
     if secret is None and not _may_run_open(settings):
         return 1
-    server = GrpcServer(settings.host, settings.port, [register], [service_name], secret)
+    server = GrpcServer(
+        settings.host, settings.port, [register], [service_name], secret, worker_id=settings.name
+    )
     try:
         await server.start(serving=False)  # NOT_SERVING until the engine has loaded
     except (OSError, RuntimeError) as exc:

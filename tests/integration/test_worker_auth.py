@@ -4,6 +4,8 @@ client's token)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,12 +21,14 @@ from protos.v1 import common_pb2, worker_pb2_grpc
 SECRET = new_secret().encode()
 
 
-async def serve(servicer: FakePrefill | FakeDecode, secret: bytes | None) -> GrpcServer:
+async def serve(
+    servicer: FakePrefill | FakeDecode, secret: bytes | None, worker_id: str = ""
+) -> GrpcServer:
     if isinstance(servicer, FakePrefill):
         add, name = worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "pdserve.v1.PrefillWorker"
     else:
         add, name = worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "pdserve.v1.DecodeWorker"  # type: ignore[assignment]
-    server = GrpcServer("127.0.0.1", 0, [lambda s: add(servicer, s)], [name], secret)  # type: ignore[arg-type]
+    server = GrpcServer("127.0.0.1", 0, [lambda s: add(servicer, s)], [name], secret, worker_id)  # type: ignore[arg-type]
     await server.start()
     return server
 
@@ -97,5 +101,109 @@ async def test_health_checks_stay_open() -> None:
                 health_pb2.HealthCheckRequest(service=""), timeout=5
             )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
+
+
+async def test_a_token_bound_to_one_worker_does_not_open_another() -> None:
+    from pdserve.rpc.auth import AUTH_METADATA
+    from protos.v1 import worker_pb2
+
+    prefill_a, prefill_b = FakePrefill(), FakePrefill()
+    a = await serve(prefill_a, SECRET, worker_id="prefill-a")
+    b = await serve(prefill_b, SECRET, worker_id="prefill-b")
+    try:
+        async with PrefillClient(f"127.0.0.1:{a.port}", secret=SECRET) as client:
+            assert client.worker_id == ""
+            await client.capabilities()  # worker A announces its id
+            assert client.worker_id == "prefill-a"
+            await client.prefill("r-1", [1, 2, 3], common_pb2.SamplingParams())
+        recorded = prefill_a.seen.metadata[-1][AUTH_METADATA]
+        assert recorded.endswith(".prefill-a")
+        replay = ((AUTH_METADATA, recorded),)
+        request = worker_pb2.PrefillRequest(request_id="r-2", prompt_token_ids=[1, 2])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(request, metadata=replay)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "another worker" in (info.value.details() or "")
+        assert prefill_b.seen.requests == []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as channel:
+            reply = await worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+                request, metadata=replay
+            )
+            assert reply.request_id == "r-2"
+    finally:
+        await a.stop(0)
+        await b.stop(0)
+
+
+async def test_a_client_binds_only_to_an_announced_id_and_unbinds_when_refused() -> None:
+    anonymous = await serve(FakeDecode(), SECRET)  # given no id: announces none (old workers)
+    b = await serve(FakeDecode(), SECRET, worker_id="decode-b")
+    try:
+        async with DecodeClient(f"127.0.0.1:{anonymous.port}", secret=SECRET) as client:
+            await client.capabilities()
+            assert client.worker_id == ""
+            assert [c async for c in client.decode("r-1", [1, 2], common_pb2.SamplingParams())]
+        async with DecodeClient(f"127.0.0.1:{b.port}", secret=SECRET) as client:
+            client.worker_id = "decode-a"  # as if decode-a had answered at this address before
+            with pytest.raises(RpcCallError) as info:
+                async for _ in client.decode("r-2", [1, 2], common_pb2.SamplingParams()):
+                    pass
+            assert info.value.code == "UNAUTHENTICATED"
+            assert client.worker_id == ""  # unbound: the next call passes
+            assert [c async for c in client.decode("r-3", [1, 2], common_pb2.SamplingParams())]
+            await client.capabilities()
+            assert client.worker_id == "decode-b"
+            assert [c async for c in client.decode("r-4", [1, 2], common_pb2.SamplingParams())]
+    finally:
+        await anonymous.stop(0)
+        await b.stop(0)
+
+
+class CountingDecode(FakeDecode):
+    """A fake decode worker that counts the Decode calls it serves at once (``peak``)."""
+
+    serving = peak = 0
+
+    async def Decode(self, request, context):  # type: ignore[no-untyped-def]
+        self.serving += 1
+        self.peak = max(self.peak, self.serving)
+        try:
+            async for chunk in super().Decode(request, context):
+                yield chunk
+        finally:
+            self.serving -= 1
+
+
+async def test_a_connection_has_at_most_the_bound_streams_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the bound a call waits for a stream to end or (grpc's client racing the server's
+    count) is refused UNAVAILABLE before it reaches the servicer."""
+    from pdserve.rpc import server as rpc_server
+
+    bound = [("grpc.max_concurrent_streams", 2) if k == "grpc.max_concurrent_streams" else (k, v)
+             for k, v in rpc_server.WORKER_OPTIONS]  # fmt: skip
+    monkeypatch.setattr(rpc_server, "WORKER_OPTIONS", bound)
+    decode = CountingDecode(delay_s=0.2, tokens=[(1, "a"), (2, "b")])
+    server = await serve(decode, SECRET)
+
+    async def one(client: DecodeClient, i: int) -> str:
+        try:
+            async for _ in client.decode(f"r-{i}", [1, 2], common_pb2.SamplingParams()):
+                pass
+            return "OK"
+        except RpcCallError as err:
+            return err.code
+
+    try:
+        async with DecodeClient(f"127.0.0.1:{server.port}", secret=SECRET) as client:
+            await client.capabilities()
+            codes = await asyncio.gather(*(one(client, i) for i in range(6)))
+        assert decode.peak == 2
+        assert set(codes) <= {"OK", "UNAVAILABLE"} and codes.count("OK") >= 2, codes
+        assert len(decode.seen.requests) == codes.count("OK")  # the refused ones never ran
     finally:
         await server.stop(0)

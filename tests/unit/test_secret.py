@@ -9,7 +9,7 @@ import pytest
 
 from kv_transfer.auth import load_secret
 from pdserve.cluster import up
-from pdserve.rpc.auth import token, valid
+from pdserve.rpc.auth import target, token, valid
 from pdserve.rpc.secret import SECRET_FILE_ENV, is_loopback
 
 
@@ -53,6 +53,21 @@ def test_grpc_tokens_are_per_rpc_and_expire() -> None:
     assert not valid(b"t" * 32, "Prefill", token(secret, "Prefill", now=1000), now=1000)
     assert not valid(secret, "Prefill", "garbage", now=1000)
     assert not valid(secret, "Prefill", None)
+
+
+def test_grpc_tokens_bound_to_a_worker_open_only_that_worker() -> None:
+    secret = b"s" * 32
+    bound = token(secret, "Prefill", now=1000, worker_id="prefill-a.pod")
+    assert target(bound) == "prefill-a.pod" and target(token(secret, "Prefill", now=1000)) == ""
+    assert valid(secret, "Prefill", bound, now=1000, worker_id="prefill-a.pod")
+    assert valid(secret, "Prefill", bound, now=1000)  # a server that knows no id of its own
+    assert not valid(secret, "Prefill", bound, now=1000, worker_id="prefill-b")
+    assert not valid(secret, "Decode", bound, now=1000, worker_id="prefill-a.pod")
+    forged = bound.removesuffix("prefill-a.pod") + "prefill-b"  # the same HMAC, another name
+    assert not valid(secret, "Prefill", forged, now=1000, worker_id="prefill-b")
+    unbound = token(secret, "Prefill", now=1000)
+    assert valid(secret, "Prefill", unbound, now=1000, worker_id="prefill-b")
+    assert token(secret, "Prefill", now=1000, worker_id="pr\u00e9fill") == unbound  # not ASCII
 
 
 def test_loopback_addresses() -> None:
