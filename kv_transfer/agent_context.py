@@ -33,6 +33,17 @@ class AgentConfig:
     secret_file: str = ""
     # Producer: connections served at once; more are closed at accept.
     max_connections: int = 256
+    # Producer: a connection must complete the handshake within this long of its accept.
+    handshake_timeout_s: float = 5.0
+    # Producer: connections still in the handshake, at most (of max_connections: the rest are
+    # kept for authenticated peers) and from one peer address; a new one beyond either bound
+    # cuts off the oldest (see kv_transfer.auth.HandshakeGate).
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_address: int = 8
+    # Producer: an authenticated connection that sends no request for this long is closed.
+    idle_timeout_s: float = 300.0
+    # Consumer: connections to one producer agent, at most (in use and kept idle together).
+    max_peer_connections: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

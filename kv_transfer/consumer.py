@@ -6,6 +6,11 @@ bytes straight into the mapped memory of its own (already allocated) blocks, ack
 and reports ``done`` with ``ok``, the bytes, the seconds and when it started (epoch seconds,
 for the decode worker's trace span of the pull). Every job is reported exactly once, failed
 or not, because the engine frees the destination blocks only then.
+
+Pulls and releases reuse connections (``PeerConnections``): at most ``max_peer_connections``
+to one prefill agent, in use and kept idle together. A kept connection the prefill agent has
+closed meanwhile (its ``idle_timeout_s``, or a restart) is replaced by a new one: when that
+is seen before the request is sent, or when the request goes unanswered, once.
 """
 
 from __future__ import annotations
@@ -15,20 +20,122 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import connect
-from kv_transfer.client import release
 from kv_transfer.errors import KVTransferError
-from kv_transfer.wire import recv_frame, recv_views, send_frame, tune
+from kv_transfer.wire import (
+    ConnectionClosed,
+    peer_closed,
+    recv_frame,
+    recv_views,
+    send_frame,
+    tune,
+)
 
 log = logging.getLogger("kv_transfer.consumer")
 
+Peer = tuple[str, int]
+T = TypeVar("T")
+# The connection died before any answer: the request may be sent again on a new one.
+_UNANSWERED = (ConnectionClosed, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
 
 class Unanswered(ConnectionError):
-    """The connection failed before the peer answered the pull (nothing was received)."""
+    """The connection failed before the peer answered the request (nothing was received)."""
+
+
+class PeerConnections:
+    """Connections to producer agents: at most ``per_peer`` to one peer, counting those in use
+    and those kept idle for reuse; a caller past that waits (up to its timeout) for one to be
+    given back or dropped. Every connection taken is given back (``give``) or dropped."""
+
+    def __init__(self, per_peer: int, open_one: Callable[[Peer], socket.socket]) -> None:
+        self.per_peer = max(1, per_peer)
+        self.open_one = open_one
+        self.cond = threading.Condition()
+        self.idle: dict[Peer, list[socket.socket]] = {}
+        self.held: Counter[Peer] = Counter()  # in use + idle, per peer
+        self.closed = False
+
+    def take(self, peer: Peer, timeout_s: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A kept connection (True: it may still die on first use) or a new one (False);
+        ``fresh``: a new one. Kept ones the peer has visibly closed are dropped on the way."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                idle = self.idle.get(peer, [])
+                if fresh and idle and self.held[peer] >= self.per_peer:
+                    idle.pop(0).close()  # make room for the new one
+                    self._release_slot(peer)
+                while idle and not fresh:
+                    conn = idle.pop()
+                    if not peer_closed(conn):
+                        return conn, True
+                    conn.close()  # the peer closed it (idle timeout, restart)
+                    self._release_slot(peer)
+                if self.held[peer] < self.per_peer:
+                    self.held[peer] += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KVTransferError(
+                        f"all {self.per_peer} connections to {peer[0]}:{peer[1]} stayed busy "
+                        f"for {timeout_s} s"
+                    )
+                self.cond.wait(left)
+        try:
+            return self.open_one(peer), False
+        except BaseException:
+            self.drop(peer, None)
+            raise
+
+    def give(self, peer: Peer, conn: socket.socket) -> None:
+        """Keep ``conn`` for the next request to ``peer``."""
+        with self.cond:
+            if not self.closed:
+                self.idle.setdefault(peer, []).append(conn)
+                self.cond.notify_all()
+                return
+        self.drop(peer, conn)
+
+    def drop(self, peer: Peer, conn: socket.socket | None) -> None:
+        """Close a taken connection (None: one that was never opened) and free its slot."""
+        if conn is not None:
+            conn.close()
+        with self.cond:
+            self._release_slot(peer)
+
+    def forget(self, peer: Peer) -> None:
+        """Close every kept connection to ``peer`` (one was found dead: the peer restarted)."""
+        with self.cond:
+            conns = self.idle.pop(peer, [])
+            for _ in conns:
+                self._release_slot(peer)
+        for conn in conns:
+            conn.close()
+
+    def count(self, peer: Peer) -> int:
+        with self.cond:
+            return self.held[peer]
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            peers = list(self.idle)
+        for peer in peers:
+            self.forget(peer)
+
+    def _release_slot(self, peer: Peer) -> None:
+        """Caller holds ``cond``."""
+        self.held[peer] -= 1
+        if self.held[peer] <= 0:
+            del self.held[peer]
+        self.cond.notify_all()
 
 
 class Consumer:
@@ -45,9 +152,9 @@ class Consumer:
         self.reporter = reporter
         self.port = 0
         self.pool = ThreadPoolExecutor(config.max_parallel, thread_name_prefix="kv-pull")
+        self.conns = PeerConnections(config.max_peer_connections, self._open)
         self.active: dict[str, socket.socket] = {}
         self.cancelled: set[str] = set()  # active pulls cancelled (never retried)
-        self.idle: dict[tuple[str, int], list[socket.socket]] = {}
         self.lock = threading.Lock()
 
     def handle(self, message: dict[str, Any]) -> None:
@@ -63,34 +170,38 @@ class Consumer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        with self.lock:
-            for conns in self.idle.values():
-                for conn in conns:
-                    conn.close()
-            self.idle.clear()
+        self.conns.close()
 
-    def _connect(self, peer: tuple[str, int], reuse: bool = True) -> tuple[socket.socket, bool]:
-        """An idle connection to the peer (pulls reuse connections) or a new one; True when
-        it is a kept one, which may have died with the peer meanwhile."""
-        with self.lock:
-            conns = self.idle.get(peer)
-            if conns and reuse:
-                return conns.pop(), True
+    def _open(self, peer: Peer) -> socket.socket:
         conn = connect(peer[0], peer[1], self.secret, self.config.io_timeout_s)
         tune(conn)
-        return conn, False
+        return conn
 
-    def _forget(self, peer: tuple[str, int]) -> None:
-        """Close every kept connection to ``peer`` (one of them was found dead: the peer
-        restarted, and the others are dead too)."""
-        with self.lock:
-            conns = self.idle.pop(peer, [])
-        for conn in conns:
-            conn.close()
-
-    def _keep(self, peer: tuple[str, int], conn: socket.socket) -> None:
-        with self.lock:
-            self.idle.setdefault(peer, []).append(conn)
+    def _on_connection(
+        self, peer: Peer, req: str | None, work: Callable[[socket.socket], T]
+    ) -> tuple[socket.socket, T]:
+        """Run ``work`` on a kept or new connection to ``peer``; the connection is then the
+        caller's to give back or drop (on an error it is dropped here). When a kept one goes
+        unanswered (``Unanswered``: the peer closed it as idle, or restarted, and the others
+        with it), ``work`` runs once more on a new one, unless ``req`` was cancelled."""
+        conn, reused = self.conns.take(peer, self.config.io_timeout_s)
+        while True:
+            if req is not None:
+                with self.lock:
+                    self.active[req] = conn
+            try:
+                return conn, work(conn)
+            except Unanswered:
+                self.conns.drop(peer, conn)
+                with self.lock:
+                    if not reused or req in self.cancelled:
+                        raise
+                log.info("kept connection to %s:%s was closed; reconnecting", *peer)
+                self.conns.forget(peer)
+                conn, reused = self.conns.take(peer, self.config.io_timeout_s, fresh=True)
+            except BaseException:
+                self.conns.drop(peer, conn)
+                raise
 
     def _cancel(self, req: str) -> None:
         with self.lock:
@@ -103,16 +214,21 @@ class Consumer:
                 conn.shutdown(socket.SHUT_RDWR)
 
     def _release_job(self, job: dict[str, Any]) -> None:
+        """Unpin a request's blocks on the prefill agent, over a kept connection too."""
+        peer, remote = (str(job["host"]), int(job["port"])), str(job["remote_req"])
         try:
-            release(job["host"], int(job["port"]), str(job["remote_req"]), secret=self.secret)
-        except (OSError, KVTransferError) as exc:
-            log.warning(
-                "could not release %s on %s:%s: %s",
-                job["remote_req"],
-                job["host"],
-                job["port"],
-                exc,
-            )
+            conn, _ = self._on_connection(peer, None, lambda c: self._release(c, remote))
+            self.conns.give(peer, conn)
+        except (OSError, ValueError, KVTransferError) as exc:
+            log.warning("could not release %s on %s:%s: %s", remote, *peer, exc)
+
+    def _release(self, conn: socket.socket, remote_req: str) -> bool:
+        conn.settimeout(self.config.io_timeout_s)
+        try:
+            send_frame(conn, {"op": "release", "req": remote_req})
+            return bool(recv_frame(conn).get("found"))
+        except _UNANSWERED as exc:
+            raise Unanswered(f"the peer closed the connection before answering: {exc}") from exc
 
     def _pull_job(self, job: dict[str, Any]) -> None:
         req = str(job["req"])
@@ -121,23 +237,7 @@ class Consumer:
         peer = (str(job["host"]), int(job["port"]))
         conn = None
         try:
-            conn, reused = self._connect(peer)
-            with self.lock:
-                self.active[req] = conn
-            try:
-                result["bytes"] = self._pull(conn, job)
-            except Unanswered:
-                with self.lock:
-                    if not reused or req in self.cancelled:
-                        raise
-                # A kept connection whose peer restarted: try once on a fresh one.
-                log.info("kept connection to %s:%s is dead; reconnecting", *peer)
-                conn.close()
-                self._forget(peer)
-                conn, _ = self._connect(peer, reuse=False)
-                with self.lock:
-                    self.active[req] = conn
-                result["bytes"] = self._pull(conn, job)
+            conn, result["bytes"] = self._on_connection(peer, req, lambda c: self._pull(c, job))
             result["ok"] = True
         except (OSError, ValueError, KVTransferError) as exc:
             result["error"] = f"KV pull from {peer[0]}:{peer[1]} failed: {exc}"
@@ -151,18 +251,17 @@ class Consumer:
             # The bytes are in the cache: report first, then let the producer unpin.
             self.reporter.send(result)
         if conn is not None:
-            self._acknowledge(peer, conn, ok=result["ok"])
+            self._acknowledge(peer, conn)
 
-    def _acknowledge(self, peer: tuple[str, int], conn: socket.socket, ok: bool) -> None:
-        if not ok:
-            conn.close()  # the producer unpins when the connection drops
-            return
+    def _acknowledge(self, peer: Peer, conn: socket.socket) -> None:
+        """After a pull that succeeded (a failed one's connection is closed: the producer
+        then unpins the blocks)."""
         try:
             send_frame(conn, {"op": "ack", "ok": True})
         except OSError:
-            conn.close()
+            self.conns.drop(peer, conn)
             return
-        self._keep(peer, conn)
+        self.conns.give(peer, conn)
 
     def _pull(self, conn: socket.socket, job: dict[str, Any]) -> int:
         layout = self.config.layout
@@ -182,7 +281,7 @@ class Consumer:
         try:
             send_frame(conn, {**request, "compat": self.config.compat})
             header = recv_frame(conn)  # bounded: an answer, never more than CONTROL_FRAME
-        except (ConnectionError, BrokenPipeError) as exc:  # closed before any answer
+        except _UNANSWERED as exc:  # closed before any answer
             raise Unanswered(f"the peer closed the connection before answering: {exc}") from exc
         if not header.get("ok"):
             raise KVTransferError(str(header.get("error", "refused")))

@@ -10,9 +10,24 @@ A job may carry a ``key`` (the prefill worker's own request id, which the engine
 know): the worker's service releases by that key when the request is aborted, also when the
 abort overtakes the job's registration (the release is then applied on arrival).
 
-Only peers that pass the handshake of ``kv_transfer.auth`` may pull, release or renew; the
-number of connections served at once is capped, every frame is bounded before it is read, and
-nothing blocks while the job lock is held (results go through the non-blocking ``Reporter``).
+Only peers that pass the handshake of ``kv_transfer.auth`` may pull, release or renew. Work
+for a peer is bounded before and after it has proven itself:
+
+* connections: at most ``max_connections`` are served at once (more are closed at accept); of
+  those at most ``max_unauthenticated`` may be in the handshake, and at most
+  ``max_unauthenticated_per_address`` from one address: a new one beyond either bound cuts
+  off the oldest (``HandshakeGate``), so the rest stay free for authenticated peers and slow
+  handshakes cannot keep new ones out;
+* time: the whole handshake must be done ``handshake_timeout_s`` after the accept (one
+  deadline for all its reads and writes, not a per-read timeout); an authenticated
+  connection is closed after ``idle_timeout_s`` without a request, and a request frame must
+  arrive within ``io_timeout_s`` of its first byte;
+* bytes: every frame is bounded before it is read (``HANDSHAKE_FRAME`` before the handshake,
+  then by the KV layout), and a frame that is not a bounded JSON object or a request with
+  fields of the wrong type is a refusal, counted and logged at a limited rate
+  (``_log_refusal``), before and after the handshake alike: never a traceback.
+
+Nothing blocks while the job lock is held (results go through the non-blocking ``Reporter``).
 A job remembers its prompt's digest (from the engine's hand-off) and serves only a pull that
 names the same digest, so blocks are never handed out for another prompt.
 """
@@ -29,16 +44,19 @@ from typing import Any
 
 from kv_transfer import compat
 from kv_transfer.agent_context import AgentConfig, Reporter
-from kv_transfer.auth import AuthenticationFailed, server_handshake
+from kv_transfer.auth import AuthenticationFailed, HandshakeGate, Ticket, server_handshake
 from kv_transfer.errors import KVTransferError, PromptMismatch, UnknownRequest
 from kv_transfer.wire import (
     CONTROL_FRAME,
     ConnectionClosed,
+    FrameTooLarge,
+    MalformedFrame,
     encode_frame,
     recv_frame,
     send_frame,
     send_views,
     tune,
+    wait_readable,
 )
 
 log = logging.getLogger("kv_transfer.producer")
@@ -48,10 +66,10 @@ EARLY_RELEASE_TTL_S = 120.0
 MAX_EARLY_RELEASES = 4096
 # Ended jobs remembered so that the second announcement of a job is ignored (see _register).
 MAX_RECENTLY_ENDED = 4096
-# An unauthenticated peer gets this long to complete the handshake.
-HANDSHAKE_TIMEOUT_S = 5.0
 # Bytes of one block id in a JSON list, at most ("4294967295,").
 _BLOCK_ID_BYTES = 11
+# What bad input raises while a request is read and served: a refusal, not a failure.
+_MALFORMED = (FrameTooLarge, ValueError, KeyError, TypeError, ArithmeticError)
 
 
 @dataclass
@@ -85,6 +103,10 @@ class Producer:
         # A pull names at most every block once more than the cache has (duplicates refused).
         self.frame_limit = CONTROL_FRAME + _BLOCK_ID_BYTES * config.layout.num_blocks
         self.slots = threading.BoundedSemaphore(config.max_connections)
+        self.gate = HandshakeGate(
+            min(config.max_unauthenticated, config.max_connections),
+            config.max_unauthenticated_per_address,
+        )
         self.refusals = 0
         self.listener = socket.create_server((config.bind_host, config.port), backlog=128)
         self.port = self.listener.getsockname()[1]
@@ -165,60 +187,85 @@ class Producer:
                         peer[0],
                     )
                 continue
-            threading.Thread(target=self._serve_conn, args=(conn, peer), daemon=True).start()
+            ticket = self.gate.enter(conn, str(peer[0]))
+            threading.Thread(
+                target=self._serve_conn, args=(conn, peer, ticket), daemon=True
+            ).start()
 
-    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
+    def _serve_conn(self, conn: socket.socket, peer: Any, ticket: Ticket) -> None:
         """Authenticate the peer, then serve its requests until it closes (pulls reuse it)."""
         try:
             with conn:
-                tune(conn)
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 try:
-                    server_handshake(conn, self.secret)
-                except (AuthenticationFailed, OSError, ValueError) as exc:
-                    self._log_refusal(peer, exc)
+                    tune(conn)
+                    deadline = ticket.since + self.config.handshake_timeout_s
+                    server_handshake(conn, self.secret, deadline, lambda: self.gate.admit(ticket))
+                except (AuthenticationFailed, OSError, ValueError) as exc:  # MalformedFrame too
+                    self._log_refusal(peer, self._handshake_failure(ticket, exc))
                     return
-                self._serve_requests(conn)
+                finally:
+                    self.gate.leave(ticket)  # before the socket closes (see HandshakeGate)
+                self._serve_requests(conn, peer)
         finally:
             self.slots.release()
 
-    def _log_refusal(self, peer: Any, exc: Exception) -> None:
+    def _handshake_failure(self, ticket: Ticket, exc: Exception) -> str:
+        if ticket.cut:
+            return "cut off in the handshake by newer unauthenticated connections"
+        if isinstance(exc, TimeoutError):
+            return f"no handshake within {self.config.handshake_timeout_s} s"
+        return str(exc)
+
+    def _log_refusal(self, peer: Any, reason: object, after_auth: bool = False) -> None:
         """The first refusals and then every 1000th: a flood must not flood the log too."""
         with self.cond:
             self.refusals += 1
             count = self.refusals
         if count <= 10 or count % 1000 == 0:
-            log.warning("refused KV connection #%d from %s: %s", count, peer[0], exc)
+            who = "an authenticated peer at " if after_auth else ""
+            log.warning("refused KV connection #%d from %s%s: %s", count, who, peer[0], reason)
 
-    def _serve_requests(self, conn: socket.socket) -> None:
+    def _serve_requests(self, conn: socket.socket, peer: Any) -> None:
+        """Serve requests until the peer closes the connection or leaves it idle for
+        ``idle_timeout_s`` (it reconnects when it needs one); bad input is a refusal."""
         try:
             while not self.closed:
-                conn.settimeout(None)  # idle between requests is fine
+                if not wait_readable(conn, self.config.idle_timeout_s):
+                    log.debug("closing the idle KV connection from %s", peer[0])
+                    return
                 try:
-                    request = recv_frame(conn, self.frame_limit)
+                    deadline = time.monotonic() + self.config.io_timeout_s
+                    request = recv_frame(conn, self.frame_limit, deadline)
                 except ConnectionClosed:
                     return
                 conn.settimeout(self.config.io_timeout_s)
                 self._serve_one(conn, request)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except _MALFORMED as exc:  # before OSError: FrameTooLarge and MalformedFrame are both
+            self._log_refusal(peer, exc, after_auth=True)
+        except OSError as exc:
             log.warning("transfer connection failed: %s", exc)
 
     def _serve_one(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        """One request of an authenticated peer; fields of the wrong type raise MalformedFrame."""
         op = request.get("op")
         if op == "pull":
             self._serve_pull(conn, request)
         elif op == "release":
-            by, name = (
-                ("key", str(request["key"])) if "key" in request else ("req", str(request["req"]))
-            )
-            send_frame(conn, {"ok": True, "found": self._release(name, by)})
+            by = "key" if "key" in request else "req"
+            send_frame(conn, {"ok": True, "found": self._release(_text(request, by), by)})
         elif op == "renew":
-            send_frame(conn, {"ok": True, "found": self._renew(str(request["req"]))})
+            send_frame(conn, {"ok": True, "found": self._renew(_text(request, "req"))})
         elif op == "serve":  # from this worker's own engine scheduler; no answer
-            self.config.layout.check_blocks([int(b) for b in request["blocks"]])
-            self._register(request)
+            blocks = _block_ids(request)
+            self.config.layout.check_blocks(blocks)
+            self._register(
+                {"req": _text(request, "req"), "blocks": blocks,
+                 "digest": _text(request, "digest", ""), "key": _text(request, "key", "")}
+            )  # fmt: skip
+        elif isinstance(op, str):
+            send_frame(conn, {"ok": False, "error": f"unknown operation {op[:64]!r}"})
         else:
-            send_frame(conn, {"ok": False, "error": f"unknown operation {op!r}"})
+            raise MalformedFrame("the request names no operation")
 
     def _release(self, name: str, by: str = "req") -> bool:
         """Unpin the job of request id (``by="req"``) or key (``by="key"``) ``name`` unless it
@@ -277,11 +324,14 @@ class Producer:
             return job
 
     def _serve_pull(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        req, blocks = str(request["req"]), [int(b) for b in request["blocks"]]
+        req, blocks = _text(request, "req"), _block_ids(request)
+        digest, theirs = _text(request, "digest", ""), request.get("compat", {})
+        if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
+            raise MalformedFrame("'compat' must be an object of strings")
         try:
-            compat.check(self.config.compat, request.get("compat", {}), who="decode worker")
+            compat.check(self.config.compat, theirs, who="decode worker")
             self.config.layout.check_blocks(blocks)
-            self._claim(req, blocks, str(request.get("digest") or ""))
+            self._claim(req, blocks, digest)
         except (KVTransferError, ValueError) as exc:
             send_frame(conn, {"ok": False, "error": str(exc)})
             if not isinstance(exc, UnknownRequest | PromptMismatch):
@@ -294,8 +344,26 @@ class Producer:
             # One scatter/gather write for header and blocks: the puller wakes up once.
             views = self.config.layout.views(self.regions, blocks)
             sent = send_views(conn, [header, *views]) - len(header)
-            reason = "sent" if recv_frame(conn, CONTROL_FRAME).get("ok") else "error"
+            ack = recv_frame(conn, CONTROL_FRAME, time.monotonic() + self.config.io_timeout_s)
+            reason = "sent" if ack.get("ok") else "error"
         finally:
             seconds = time.perf_counter() - started
             with self.cond:
                 self._finish(req, reason, bytes=sent, seconds=seconds, blocks=len(blocks))
+
+
+def _text(request: dict[str, Any], name: str, default: str | None = None) -> str:
+    """A string field; an optional one (``default``) may also be absent or null."""
+    value = request.get(name)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str):
+        raise MalformedFrame(f"{name!r} must be a string")
+    return value
+
+
+def _block_ids(request: dict[str, Any]) -> list[int]:
+    blocks = request.get("blocks")
+    if not isinstance(blocks, list) or not all(type(b) is int for b in blocks):
+        raise MalformedFrame("'blocks' must be a list of integers")
+    return blocks

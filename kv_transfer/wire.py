@@ -6,7 +6,11 @@ JSON: they are written from and read into memoryviews of the mapped KV cache dir
 Every frame read from the network is bounded by its reader before anything is allocated:
 ``HANDSHAKE_FRAME`` until the peer is authenticated, ``CONTROL_FRAME`` for answers, and for
 a pull request a bound derived from the KV layout (its block list), never more than
-``MAX_FRAME``.
+``MAX_FRAME``. A reader may also give a whole frame a deadline (``deadline``, monotonic
+seconds): each ``recv`` then waits only for the time left, so a peer that sends a byte now
+and then cannot stretch a frame past it. A frame body that is not a JSON object nested at
+most ``MAX_DEPTH`` deep (bad UTF-8, bad JSON, NaN, nesting, another type) is refused with
+``MalformedFrame``, never by an error from deep inside the parser.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,6 +32,8 @@ _LEN = struct.Struct("!I")
 HANDSHAKE_FRAME = 1024
 CONTROL_FRAME = 64 * 1024
 MAX_FRAME = 16 * 1024 * 1024
+# Containers nested in a control frame, at most (ours nest two deep: a pull's "compat").
+MAX_DEPTH = 8
 
 
 class ConnectionClosed(ConnectionError):
@@ -36,41 +44,121 @@ class FrameTooLarge(ConnectionError):
     """The peer announced a frame larger than the reader allows."""
 
 
+class MalformedFrame(ConnectionError, ValueError):
+    """A frame body that is not a JSON object of bounded depth (or a request with fields of
+    the wrong type). Both a ``ConnectionError`` (the connection is not usable after it) and a
+    ``ValueError`` (the peer sent bad input), so the handlers of either catch it."""
+
+
 def encode_frame(message: dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
     return _LEN.pack(len(body)) + body
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+def send_frame(sock: socket.socket, message: dict[str, Any], deadline: float | None = None) -> None:
+    """Write one frame (by ``deadline`` when given). Raises ConnectionClosed at once, without
+    writing, when the peer has already closed the connection (a kept connection it closed as
+    idle), so that a writer reconnects instead of losing the frame."""
+    if peer_closed(sock):
+        raise ConnectionClosed("the peer has closed the connection")
+    if deadline is not None:
+        _wait_at_most(sock, deadline)
     sock.sendall(encode_frame(message))
 
 
-def recv_frame(sock: socket.socket, limit: int = CONTROL_FRAME) -> dict[str, Any]:
-    """The next control frame; a frame announced larger than ``limit`` is refused unread."""
-    header = recv_exact(sock, _LEN.size)
+def recv_frame(
+    sock: socket.socket, limit: int = CONTROL_FRAME, deadline: float | None = None
+) -> dict[str, Any]:
+    """The next control frame; a frame announced larger than ``limit`` is refused unread.
+    With ``deadline`` the whole frame must have arrived by then (else TimeoutError)."""
+    header = recv_exact(sock, _LEN.size, deadline)
     (size,) = _LEN.unpack(header)
     if size > min(limit, MAX_FRAME):
         raise FrameTooLarge(f"control frame of {size} bytes is larger than {min(limit, MAX_FRAME)}")
-    message = json.loads(recv_exact(sock, size))
+    return decode_frame(recv_exact(sock, size, deadline))
+
+
+def decode_frame(body: bytes) -> dict[str, Any]:
+    """A frame body as a JSON object, or MalformedFrame (the parser's own errors, recursion
+    included, never escape: they would end the connection's thread with a traceback)."""
+    try:
+        message = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise MalformedFrame(f"control frame nests deeper than {MAX_DEPTH}") from None
+    except ValueError as exc:  # bad UTF-8 or bad JSON; the message names no content
+        raise MalformedFrame(f"control frame is not valid JSON: {exc}") from None
     if not isinstance(message, dict):
-        raise ConnectionError("control frame is not a JSON object")
+        raise MalformedFrame("control frame is not a JSON object")
+    # Counting brackets is fast and almost always settles it; walk the object only if not.
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(message) > MAX_DEPTH:
+        raise MalformedFrame(f"control frame nests deeper than {MAX_DEPTH}")
     return message
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytes:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _depth(value: Any) -> int:
+    """How deep containers nest in a decoded JSON value (iterative: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return depth
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
     buf = bytearray(size)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` completely from ``sock`` (recv_into releases the GIL while it waits)."""
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` completely from ``sock`` (recv_into releases the GIL while it waits).
+    With ``deadline`` (monotonic seconds) each wait is cut to the time left: the whole read
+    ends by then (TimeoutError), however the peer spaces its bytes out. The socket's timeout
+    is left changed; callers set their own before the next operation."""
     got, size = 0, len(view)
     while got < size:
+        if deadline is not None:
+            _wait_at_most(sock, deadline)
         n = sock.recv_into(view[got:], size - got)
         if n == 0:
             raise ConnectionClosed(f"peer closed the connection after {got} of {size} bytes")
         got += n
+
+
+def _wait_at_most(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline for this exchange has passed")
+    sock.settimeout(left)
+
+
+def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Wait until the peer sends something or closes; False when ``timeout_s`` passed first."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """True when the peer has closed (or reset) the connection; never waits."""
+    if sock.fileno() < 0:  # closed on this side
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):
+        return False
+    try:  # readable: the peek returns at once
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 # Buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
