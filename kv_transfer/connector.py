@@ -35,7 +35,7 @@ from kv_transfer.announce import Announcer
 from kv_transfer.auth import load_secret
 from kv_transfer.lifecycle import LifecycleStats, NoPromMetrics
 from kv_transfer.metadata import StepMetadata
-from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler
+from kv_transfer.scheduler import ConsumerScheduler, Endpoint, ProducerScheduler, new_owner
 from kv_transfer.worker import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,9 @@ class PdserveConnector(KVConnectorBase_V1):
                 bind = str(extra.get("kv_bind_host") or "0.0.0.0")
                 local = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
                 ports = [port + rank for rank in range(tp_size)]
-                announcer = Announcer(local, ports, secret)
-                self.producer = ProducerScheduler(endpoint, secret, tp_size, announcer)
+                owner = new_owner()
+                announcer = Announcer(local, ports, secret, owner)
+                self.producer = ProducerScheduler(endpoint, secret, tp_size, announcer, owner)
             else:
                 self.consumer = ConsumerScheduler(vllm_config.cache_config.block_size, secret)
             return

@@ -20,17 +20,21 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kv_transfer.agent_context import AgentConfig, Reporter
-from kv_transfer.auth import connect
+from kv_transfer.auth import connect_keyed
 from kv_transfer.errors import KVTransferError
+from kv_transfer.integrity import MAC_BYTES, PullMac, Session, Tracker, check
 from kv_transfer.wire import (
     ConnectionClosed,
+    encode_frame,
     peer_closed,
+    recv_exact,
     recv_frame,
     recv_views,
     send_frame,
@@ -156,6 +160,10 @@ class Consumer:
         self.active: dict[str, socket.socket] = {}
         self.cancelled: set[str] = set()  # active pulls cancelled (never retried)
         self.lock = threading.Lock()
+        # Each open connection's key and pulls so far (kv_transfer.integrity).
+        self.sessions: weakref.WeakKeyDictionary[socket.socket, Session] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def handle(self, message: dict[str, Any]) -> None:
         op = message.get("op")
@@ -173,8 +181,10 @@ class Consumer:
         self.conns.close()
 
     def _open(self, peer: Peer) -> socket.socket:
-        conn = connect(peer[0], peer[1], self.secret, self.config.io_timeout_s)
+        conn, key = connect_keyed(peer[0], peer[1], self.secret, self.config.io_timeout_s)
         tune(conn)
+        with self.lock:
+            self.sessions[conn] = Session(key)
         return conn
 
     def _on_connection(
@@ -277,6 +287,8 @@ class Consumer:
             "req": job["remote_req"],
             "blocks": remote,
             "digest": job.get("digest", ""),
+            "epoch": job.get("epoch") or "",
+            "seq": job.get("seq"),
         }
         try:
             send_frame(conn, {**request, "compat": self.config.compat})
@@ -285,6 +297,21 @@ class Consumer:
             raise Unanswered(f"the peer closed the connection before answering: {exc}") from exc
         if not header.get("ok"):
             raise KVTransferError(str(header.get("error", "refused")))
-        if int(header["nbytes"]) != expected:
-            raise KVTransferError(f"peer offers {header['nbytes']} bytes, want {expected}")
-        return recv_views(conn, layout.views(self.regions, local))
+        if int(header["nbytes"]) != expected or header.get("req") != job["remote_req"]:
+            raise KVTransferError(
+                f"peer offers {header['nbytes']} bytes of {header.get('req')!r}, want "
+                f"{expected} of {job['remote_req']!r}"
+            )
+        return self._receive(conn, header, [v.cast("B") for v in layout.views(self.regions, local)])
+
+    def _receive(self, conn: socket.socket, header: dict[str, Any], views: list[memoryview]) -> int:
+        """The blocks into ``views``, hashed as they arrive, then the producer's MAC; raises
+        ``IntegrityError`` (a failed pull) unless the two agree."""
+        with self.lock:
+            session = self.sessions[conn]
+        mac = PullMac(session.key, session.pulls, encode_frame(header))
+        session.pulls += 1
+        tracker = Tracker(mac, [v for v in views if len(v)])
+        got = recv_views(conn, views, tracker.advance)
+        check(mac.digest(), recv_exact(conn, MAC_BYTES))
+        return got

@@ -19,3 +19,8 @@ class UnsupportedKVCache(KVTransferError):
 
 class PromptMismatch(KVTransferError):
     """A hand-off does not belong to the prompt it was sent with (or its seal is not genuine)."""
+
+
+class JobEnded(UnknownRequest):
+    """The prefill worker held the request's blocks once and no longer does (pulled, released,
+    lease expired), or the hand-off is from an earlier start of the prefill worker."""

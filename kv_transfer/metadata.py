@@ -27,6 +27,10 @@ class PullJob:
     error: str = ""
     # The prompt digest of the hand-off: the producer serves only a pull that names it.
     digest: str = ""
+    # The producer engine's start (epoch) and its number for the job (seq), from the sealed
+    # hand-off: a pull for a job that has ended, or of an earlier start, fails at once.
+    epoch: str = ""
+    seq: int | None = None
 
 
 @dataclass
@@ -43,6 +47,10 @@ class StepMetadata(KVConnectorMetadata):
     serve: dict[str, list[int]] = field(default_factory=dict)  # producer: req -> blocks
     serve_digests: dict[str, str] = field(default_factory=dict)  # producer: req -> prompt digest
     serve_keys: dict[str, str] = field(default_factory=dict)  # producer: req -> release key
+    serve_seqs: dict[str, int] = field(default_factory=dict)  # producer: req -> job number
+    # Producer: (epoch, announcement key) of this engine start, for its transfer processes
+    # (kv_transfer.registry.Owner); never leaves the engine's processes.
+    owner: tuple[str, str] = ("", "")
     pull: list[PullJob] = field(default_factory=list)  # consumer
     release: list[ReleaseJob] = field(default_factory=list)  # consumer
 

@@ -29,7 +29,14 @@ for a peer is bounded before and after it has proven itself:
 
 Nothing blocks while the job lock is held (results go through the non-blocking ``Reporter``).
 A job remembers its prompt's digest (from the engine's hand-off) and serves only a pull that
-names the same digest, so blocks are never handed out for another prompt.
+names the same digest, so blocks are never handed out for another prompt, and only a
+contiguous run of its blocks, in order (what a decode worker lacks after its own prefix hit).
+
+A job is registered once (``kv_transfer.registry``): its two announcements carry the number
+the engine gave it, and a number seen before is a duplicate for the life of the agent. Over
+the KV port only announcements signed by this worker's own engine are accepted. A pull that
+names the number of a job that has ended, or the epoch of an earlier engine start, fails at
+once instead of waiting ``register_wait_s``.
 """
 
 from __future__ import annotations
@@ -38,14 +45,15 @@ import logging
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer import compat
 from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import AuthenticationFailed, HandshakeGate, Ticket, server_handshake
-from kv_transfer.errors import KVTransferError, PromptMismatch, UnknownRequest
+from kv_transfer.errors import JobEnded, KVTransferError, PromptMismatch, UnknownRequest
+from kv_transfer.integrity import PullMac, Session, Tracker
+from kv_transfer.registry import Owner, SeqWindow
 from kv_transfer.wire import (
     CONTROL_FRAME,
     ConnectionClosed,
@@ -64,10 +72,11 @@ log = logging.getLogger("kv_transfer.producer")
 # A release that arrives before its job is remembered this long, and at most this many.
 EARLY_RELEASE_TTL_S = 120.0
 MAX_EARLY_RELEASES = 4096
-# Ended jobs remembered so that the second announcement of a job is ignored (see _register).
-MAX_RECENTLY_ENDED = 4096
 # Bytes of one block id in a JSON list, at most ("4294967295,").
 _BLOCK_ID_BYTES = 11
+# Bytes sent per write while the MAC follows the send: small enough that hashing the last
+# write adds little after the blocks are out, large enough to keep system calls few.
+HASH_STEP = 512 * 1024
 # What bad input raises while a request is read and served: a refusal, not a failure.
 _MALFORMED = (FrameTooLarge, ValueError, KeyError, TypeError, ArithmeticError)
 
@@ -79,6 +88,11 @@ class Job:
     digest: str = ""
     in_flight: bool = False
     key: str = ""
+    seq: int | None = None  # the engine's number for the job (None: unnumbered, tests only)
+
+
+class ForeignAnnouncement(ValueError):
+    """A ``serve`` over the KV port that this worker's own engine did not sign."""
 
 
 class Producer:
@@ -97,7 +111,8 @@ class Producer:
         self.keys: dict[str, str] = {}  # job key -> request id
         # Releases that overtook their job, by ("req" | "key", name) -> when they came.
         self.early_releases: dict[tuple[str, str], float] = {}
-        self.recently_ended: OrderedDict[str, None] = OrderedDict()
+        self.window = SeqWindow()  # job numbers seen (registered or ended)
+        self.owner = Owner()
         self.cond = threading.Condition()
         self.closed = False
         # A pull names at most every block once more than the cache has (duplicates refused).
@@ -115,20 +130,29 @@ class Producer:
 
     # ---- worker side -------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> None:
-        if message.get("op") != "serve":
-            log.warning("unknown control message %r", message.get("op"))
-            return
-        self._register(message)
+        op = message.get("op")
+        if op == "owner":
+            ok = self.owner.set(str(message["epoch"]), str(message["key"]))
+            if not ok:
+                log.warning("ignoring a second engine identity from the worker")
+            self.reporter.send({"op": "owner", "ok": ok})  # the worker ignores it; tests wait
+        elif op == "serve":
+            seq = message.get("seq")
+            self._register(message, None if seq is None else int(seq), in_order=True)
+        else:
+            log.warning("unknown control message %r", op)
 
-    def _register(self, message: dict[str, Any]) -> None:
+    def _register(self, message: dict[str, Any], seq: int | None, in_order: bool) -> None:
         """A finished prefill's blocks, pinned from now on. Every job is announced twice: at
         once by the engine's scheduler over the KV port (``announce``) and one engine step
-        later by the worker process; whichever comes first registers it, the other is a
-        no-op (also after the job ended: ``recently_ended``)."""
+        later by the worker process (``in_order``); whichever comes first registers it, the
+        other is a no-op, also after the job ended: its number ``seq`` has been seen."""
         req, blocks = str(message["req"]), [int(b) for b in message["blocks"]]
         digest, key = str(message.get("digest") or ""), str(message.get("key") or "")
         with self.cond:
-            if req in self.jobs or req in self.recently_ended:
+            if seq is not None and not self.window.add(seq, force=in_order):
+                return
+            if req in self.jobs:
                 return
             early = self.early_releases.pop(("req", req), None)
             if key:
@@ -136,7 +160,8 @@ class Producer:
             if early is not None:
                 self._finish(req, "released")
                 return
-            self.jobs[req] = Job(blocks, time.monotonic() + self.config.lease_s, digest, key=key)
+            deadline = time.monotonic() + self.config.lease_s
+            self.jobs[req] = Job(blocks, deadline, digest, key=key, seq=seq)
             if key:
                 self.keys[key] = req
             self.cond.notify_all()
@@ -150,9 +175,6 @@ class Producer:
         job = self.jobs.pop(req, None)
         if job is not None and job.key:
             self.keys.pop(job.key, None)
-        self.recently_ended[req] = None
-        while len(self.recently_ended) > MAX_RECENTLY_ENDED:
-            self.recently_ended.popitem(last=False)
         self.reporter.send({"op": "finished", "req": req, "reason": reason, **stats})
 
     def _lease_loop(self) -> None:
@@ -199,13 +221,15 @@ class Producer:
                 try:
                     tune(conn)
                     deadline = ticket.since + self.config.handshake_timeout_s
-                    server_handshake(conn, self.secret, deadline, lambda: self.gate.admit(ticket))
+                    key = server_handshake(
+                        conn, self.secret, deadline, lambda: self.gate.admit(ticket)
+                    )
                 except (AuthenticationFailed, OSError, ValueError) as exc:  # MalformedFrame too
                     self._log_refusal(peer, self._handshake_failure(ticket, exc))
                     return
                 finally:
                     self.gate.leave(ticket)  # before the socket closes (see HandshakeGate)
-                self._serve_requests(conn, peer)
+                self._serve_requests(conn, peer, Session(key))
         finally:
             self.slots.release()
 
@@ -225,7 +249,7 @@ class Producer:
             who = "an authenticated peer at " if after_auth else ""
             log.warning("refused KV connection #%d from %s%s: %s", count, who, peer[0], reason)
 
-    def _serve_requests(self, conn: socket.socket, peer: Any) -> None:
+    def _serve_requests(self, conn: socket.socket, peer: Any, session: Session) -> None:
         """Serve requests until the peer closes the connection or leaves it idle for
         ``idle_timeout_s`` (it reconnects when it needs one); bad input is a refusal."""
         try:
@@ -239,33 +263,50 @@ class Producer:
                 except ConnectionClosed:
                     return
                 conn.settimeout(self.config.io_timeout_s)
-                self._serve_one(conn, request)
+                self._serve_one(conn, request, session)
         except _MALFORMED as exc:  # before OSError: FrameTooLarge and MalformedFrame are both
             self._log_refusal(peer, exc, after_auth=True)
         except OSError as exc:
             log.warning("transfer connection failed: %s", exc)
 
-    def _serve_one(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _serve_one(self, conn: socket.socket, request: dict[str, Any], session: Session) -> None:
         """One request of an authenticated peer; fields of the wrong type raise MalformedFrame."""
         op = request.get("op")
         if op == "pull":
-            self._serve_pull(conn, request)
+            self._serve_pull(conn, request, session)
         elif op == "release":
             by = "key" if "key" in request else "req"
             send_frame(conn, {"ok": True, "found": self._release(_text(request, by), by)})
         elif op == "renew":
             send_frame(conn, {"ok": True, "found": self._renew(_text(request, "req"))})
         elif op == "serve":  # from this worker's own engine scheduler; no answer
-            blocks = _block_ids(request)
-            self.config.layout.check_blocks(blocks)
-            self._register(
-                {"req": _text(request, "req"), "blocks": blocks,
-                 "digest": _text(request, "digest", ""), "key": _text(request, "key", "")}
-            )  # fmt: skip
+            self._serve_announced(request)
         elif isinstance(op, str):
             send_frame(conn, {"ok": False, "error": f"unknown operation {op[:64]!r}"})
         else:
             raise MalformedFrame("the request names no operation")
+
+    def _serve_announced(self, request: dict[str, Any]) -> None:
+        """A job announced over the KV port: registered only when this worker's engine
+        signed it (a refusal closes the connection); before the engine's key has arrived it
+        is left to the step path."""
+        blocks, seq = _block_ids(request), request.get("seq")
+        self.config.layout.check_blocks(blocks)
+        if type(seq) is not int or seq < 1:
+            raise MalformedFrame("'seq' must be a positive integer")
+        signed = self.owner.signed(request)
+        if signed is None:
+            log.debug("announcement of %s before the engine's key; left to the step path", seq)
+            return
+        if not signed:
+            raise ForeignAnnouncement("a job announcement not signed by this worker's engine")
+        job = {
+            "req": _text(request, "req"),
+            "blocks": blocks,
+            "digest": _text(request, "digest", ""),
+            "key": _text(request, "key", ""),
+        }
+        self._register(job, seq, in_order=False)
 
     def _release(self, name: str, by: str = "req") -> bool:
         """Unpin the job of request id (``by="req"``) or key (``by="key"``) ``name`` unless it
@@ -297,11 +338,23 @@ class Producer:
             job.deadline = max(job.deadline, time.monotonic() + self.config.lease_s)
             return True
 
-    def _claim(self, req: str, blocks: list[int], digest: str) -> Job:
-        """Wait for the job, check the blocks, and mark it in flight."""
+    def _claim(
+        self, req: str, blocks: list[int], digest: str, seq: int | None = None, epoch: str = ""
+    ) -> Job:
+        """Wait for the job (not for one that has ended), check the blocks, mark it in flight."""
         deadline = time.monotonic() + self.config.register_wait_s
         with self.cond:
-            while req not in self.jobs:
+            if epoch and self.owner.epoch and epoch != self.owner.epoch:
+                raise JobEnded(
+                    f"the hand-off of request {req} is from an earlier start of this prefill "
+                    "worker (epochs differ): its KV blocks are gone"
+                )
+            while (job := self.jobs.get(req)) is None or seq not in (None, job.seq):
+                if seq is not None and self.window.seen(seq):
+                    raise JobEnded(
+                        f"the KV blocks of request {req} are no longer held by this prefill "
+                        "worker (already pulled or released, or its lease expired)"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0 or self.closed:
                     raise UnknownRequest(
@@ -309,7 +362,6 @@ class Producer:
                         "(unknown, already pulled or released, or its lease expired)"
                     )
                 self.cond.wait(left)
-            job = self.jobs[req]
             if job.in_flight:
                 raise UnknownRequest(f"request {req} is already being pulled")
             if job.digest and digest != job.digest:
@@ -317,21 +369,26 @@ class Producer:
                     f"request {req} on this prefill worker is for another prompt than the "
                     "decode worker's (prompt digests differ)"
                 )
-            missing = Counter(blocks) - Counter(job.blocks)
-            if missing:
-                raise KVTransferError(f"blocks {sorted(missing)[:5]} are not pinned for {req}")
+            if not _is_run(job.blocks, blocks):
+                raise KVTransferError(
+                    f"a pull must name a contiguous run of the {len(job.blocks)} blocks pinned "
+                    f"for {req}, in order; blocks {blocks[:5]}... are not one"
+                )
             job.in_flight = True
             return job
 
-    def _serve_pull(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _serve_pull(self, conn: socket.socket, request: dict[str, Any], session: Session) -> None:
         req, blocks = _text(request, "req"), _block_ids(request)
         digest, theirs = _text(request, "digest", ""), request.get("compat", {})
+        seq, epoch = request.get("seq"), _text(request, "epoch", "")
+        if seq is not None and type(seq) is not int:
+            raise MalformedFrame("'seq' must be an integer")
         if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
             raise MalformedFrame("'compat' must be an object of strings")
         try:
             compat.check(self.config.compat, theirs, who="decode worker")
             self.config.layout.check_blocks(blocks)
-            self._claim(req, blocks, digest)
+            self._claim(req, blocks, digest, seq, epoch)
         except (KVTransferError, ValueError) as exc:
             send_frame(conn, {"ok": False, "error": str(exc)})
             if not isinstance(exc, UnknownRequest | PromptMismatch):
@@ -340,10 +397,21 @@ class Producer:
         started, sent, reason = time.perf_counter(), 0, "error"
         try:
             nbytes = len(blocks) * self.config.layout.bytes_per_block
-            header = memoryview(encode_frame({"ok": True, "nbytes": nbytes}))
+            header = encode_frame({"ok": True, "nbytes": nbytes, "req": req})
+            views = [v.cast("B") for v in self.config.layout.views(self.regions, blocks) if len(v)]
+            # The blocks' MAC (kv_transfer.integrity) is computed as they are sent.
+            mac = PullMac(session.key, session.pulls, header)
+            session.pulls += 1
+            tracker = Tracker(mac, views)
             # One scatter/gather write for header and blocks: the puller wakes up once.
-            views = self.config.layout.views(self.regions, blocks)
-            sent = send_views(conn, [header, *views]) - len(header)
+            sent = send_views(
+                conn,
+                [memoryview(header), *views],
+                lambda n: tracker.advance(n - len(header)),
+                max_bytes=HASH_STEP,
+            ) - len(header)
+            tracker.advance(sent)
+            conn.sendall(mac.digest())
             ack = recv_frame(conn, CONTROL_FRAME, time.monotonic() + self.config.io_timeout_s)
             reason = "sent" if ack.get("ok") else "error"
         finally:
@@ -360,6 +428,15 @@ def _text(request: dict[str, Any], name: str, default: str | None = None) -> str
     if not isinstance(value, str):
         raise MalformedFrame(f"{name!r} must be a string")
     return value
+
+
+def _is_run(pinned: list[int], blocks: list[int]) -> bool:
+    """True if ``blocks`` is a non-empty contiguous slice of ``pinned``, in the same order."""
+    n = len(blocks)
+    if not n:
+        return False
+    starts = (i for i, b in enumerate(pinned[: len(pinned) - n + 1]) if b == blocks[0])
+    return any(pinned[i : i + n] == blocks for i in starts)
 
 
 def _block_ids(request: dict[str, Any]) -> list[int]:

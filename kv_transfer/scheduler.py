@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 PINNABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
+def new_owner() -> tuple[str, str]:
+    """(epoch, announcement key) for one start of a prefill engine."""
+    return secrets.token_hex(8), secrets.token_hex(16)
+
+
 @dataclass
 class Endpoint:
     engine_id: str
@@ -47,13 +52,18 @@ class ProducerScheduler:
         secret: bytes | None = None,
         tp_size: int = 1,
         announcer: Announcer | None = None,
+        owner: tuple[str, str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.announcer = announcer
         self.secret = secret
         self.tp_size = tp_size
-        self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
+        # New on every start: a restart is another producer. The epoch goes into hand-offs;
+        # the key only to this engine's own transfer processes (kv_transfer.registry).
+        self.epoch, self.owner_key = owner or new_owner()
+        self.next_seq = 0  # jobs of this start are numbered 1, 2, ... (both announcements)
         self.to_serve: dict[str, list[int]] = {}
+        self.seqs: dict[str, int] = {}
         self.digests: dict[str, str] = {}
         self.keys: dict[str, str] = {}
         self.pinned: dict[str, int] = {}  # request id -> blocks pinned until sent or released
@@ -70,8 +80,10 @@ class ProducerScheduler:
         self.digests[request.request_id] = digest
         self.keys[request.request_id] = key
         self.pinned[request.request_id] = len(block_ids)
+        self.next_seq += 1
+        seq = self.seqs[request.request_id] = self.next_seq
         if self.announcer is not None:  # registered now, not one engine step later
-            self.announcer.announce(request.request_id, list(block_ids), digest, key)
+            self.announcer.announce(request.request_id, seq, list(block_ids), digest, key)
         handoff = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -84,12 +96,19 @@ class ProducerScheduler:
             seal.TP_SIZE: self.tp_size,
             seal.DIGEST: digest,
             seal.EPOCH: self.epoch,
+            seal.SEQ: seq,
         }
         return True, seal.seal(handoff, self.secret)
 
     def build_meta(self, scheduler_output: Any) -> StepMetadata:
-        meta = StepMetadata(serve=self.to_serve, serve_digests=self.digests, serve_keys=self.keys)
-        self.to_serve, self.digests, self.keys = {}, {}, {}
+        meta = StepMetadata(
+            serve=self.to_serve,
+            serve_digests=self.digests,
+            serve_keys=self.keys,
+            serve_seqs=self.seqs,
+            owner=(self.epoch, self.owner_key),
+        )
+        self.to_serve, self.digests, self.keys, self.seqs = {}, {}, {}, {}
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -192,6 +211,8 @@ class ConsumerScheduler:
                 local,
                 error,
                 digest=str(params.get(seal.DIGEST, "")),
+                epoch=str(params.get(seal.EPOCH) or ""),
+                seq=_seq(params.get(seal.SEQ)),
             )
         )
         self.pulling[request.request_id] = len(local)
@@ -258,3 +279,11 @@ class ConsumerScheduler:
             log.warning("cannot release an unpulled hand-off: its address is incomplete")
             return
         self.to_release.append(job)
+
+
+def _seq(value: Any) -> int | None:
+    """The job number of a (verified) hand-off; None for one that has none."""
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None

@@ -1,12 +1,15 @@
 """What ties a KV hand-off to its prompt and its producer.
 
 The prefill worker's connector adds to the hand-off (``kv_transfer_params``) the digest of the
-prompt token ids it computed, its engine id and a random epoch (new on every start), and an
-HMAC over those and every field the decode worker acts on (request id, host, port, blocks,
-token count), made with the deployment secret. The decode worker refuses a hand-off whose
-digest differs from the digest of its own prompt, or whose seal it cannot verify: its engine
-then never caches blocks computed for another prompt under this prompt's block hashes, and a
-caller of the decode API cannot point it at a made-up producer or request.
+prompt token ids it computed, its engine id, a random epoch (new on every start) and the job's
+number in that start (``SEQ``), and an HMAC over those and every field the decode worker acts
+on (request id, host, port, blocks, token count), made with the deployment secret. The decode
+worker's pull names the epoch and the number, and the prefill worker's transfer process
+checks both: a hand-off of an earlier start, or of a job that has ended, fails at once. The
+decode worker refuses a hand-off whose digest differs from the digest of its own prompt, or
+whose seal it cannot verify: its engine then never caches blocks computed for another prompt
+under this prompt's block hashes, and a caller of the decode API cannot point it at a made-up
+producer or request.
 
 Without a deployment secret the digest is still checked (it catches mix-ups, not forgeries).
 """
@@ -24,6 +27,7 @@ from kv_transfer.errors import PromptMismatch
 
 DIGEST = "pdserve_prompt_digest"
 EPOCH = "pdserve_epoch"
+SEQ = "pdserve_seq"
 SEAL = "pdserve_seal"
 TP_SIZE = "remote_tp_size"
 NIXL_FIELDS = ("tp_size", "dcp_size", "pp_size", "transfer_mode")
@@ -52,6 +56,8 @@ def _signed_text(params: dict[str, Any]) -> str:
         str(params.get(DIGEST) or ""),
         str(params.get(EPOCH) or ""),
     ]
+    if params.get(SEQ) is not None:  # our connector's job number (NIXL hand-offs have none)
+        fields.append(int(params[SEQ]))
     # vLLM's NixlConnector's own fields that a decode engine acts on (the producer's parallel
     # layout: nixl/pull_scheduler.py:286-291); absent from our connector's hand-offs, whose
     # signed text is then unchanged.

@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -165,19 +165,33 @@ def peer_closed(sock: socket.socket) -> bool:
 MAX_IOV = 512
 
 
-def send_views(sock: socket.socket, views: Iterable[memoryview]) -> int:
-    """Send the views in order with scatter/gather writes; returns the bytes sent."""
+def send_views(
+    sock: socket.socket,
+    views: Iterable[memoryview],
+    progress: Callable[[int], None] | None = None,
+    max_bytes: int = 0,
+) -> int:
+    """Send the views in order with scatter/gather writes; returns the bytes sent.
+    ``progress(n)``, when given, is told after each write that ``n`` bytes are sent; with
+    ``max_bytes`` a write takes at most that many (so that progress comes in steps)."""
     pending = [v.cast("B") for v in views if len(v)]
     total = 0
     while pending:
-        sent = sock.sendmsg(pending[:MAX_IOV])
+        sent = sock.sendmsg(_first_bytes(pending[:MAX_IOV], max_bytes))
         total += sent
         pending = _advance(pending, sent)
+        if progress is not None:
+            progress(total)
     return total
 
 
-def recv_views(sock: socket.socket, views: Iterable[memoryview]) -> int:
-    """Fill the views in order with scatter/gather reads; returns the bytes received."""
+def recv_views(
+    sock: socket.socket,
+    views: Iterable[memoryview],
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Fill the views in order with scatter/gather reads; returns the bytes received.
+    ``progress(n)``, when given, is told after each read that ``n`` bytes are in."""
     pending = [v.cast("B") for v in views if len(v)]
     total = 0
     while pending:
@@ -186,7 +200,23 @@ def recv_views(sock: socket.socket, views: Iterable[memoryview]) -> int:
             raise ConnectionClosed(f"peer closed the connection after {total} bytes")
         total += got
         pending = _advance(pending, got)
+        if progress is not None:
+            progress(total)
     return total
+
+
+def _first_bytes(views: list[memoryview], limit: int) -> list[memoryview]:
+    """The leading views up to ``limit`` bytes in all (the last one cut); all when 0."""
+    if not limit:
+        return views
+    out, left = [], limit
+    for view in views:
+        if len(view) >= left:
+            out.append(view[:left])
+            return out
+        out.append(view)
+        left -= len(view)
+    return out
 
 
 def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:

