@@ -13,7 +13,8 @@ What it adds to vLLM's ``LMCacheConnectorV1``:
   engine's KV compatibility digest (``kv_transfer.compat``): the CPU copier stores raw packed
   blocks, which only an engine with the same ISA, dtype, block size and model may read.
 - LMCache that failed to start is an error, not a silent "recompute everything" mode: the
-  engine (and so the worker) refuses to start and says why.
+  engine (and so the worker) refuses to start and says why; so is a shared tier whose
+  authenticating backend (``kv_transfer.tier_integrity``) did not start.
 - A request that ends before it was ever scheduled after its lookup (a client that went away
   while the engine had no KV blocks for it) gives back what the lookup pinned. LMCache's
   lookup pins the chunks it finds in the worker's CPU buffer until the request's first step;
@@ -32,7 +33,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-from kv_transfer import compat
+from kv_transfer import compat, tier_plugin
 from kv_transfer.errors import UnsupportedKVCache
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,21 @@ class PdserveTierConnector(LMCacheConnectorV1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)  # LMCache finishes starting here (workers)
         self._check_started("register the KV caches")
+        self._check_shared_tier()
+
+    def _check_shared_tier(self) -> None:
+        """A shared tier runs only through pdserve's authenticating plugin; LMCache logs a
+        plugin backend that fails to start and goes on without it, the worker does not."""
+        engine = getattr(self._lmcache_engine, "lmcache_engine", None)
+        manager = getattr(engine, "storage_manager", None)
+        plugins = getattr(getattr(engine, "config", None), "remote_storage_plugins", None) or []
+        if manager is None or tier_plugin.PLUGIN not in plugins:
+            return
+        if f"RemoteBackend-{tier_plugin.PLUGIN}" not in manager.storage_backends:
+            raise TierUnavailable(
+                "the shared KV tier's authenticated backend did not start (LMCache's error "
+                "above says why: e.g. no deployment secret, a bad tier URL)"
+            )
 
     def _check_started(self, step: str) -> None:
         manager = getattr(self._lmcache_engine, "_manager", None)

@@ -9,18 +9,29 @@ by the server a moment later; another process may take it in between. A server t
 asked for any port therefore retries with a fresh one when its own process did not come up,
 and "up" means *this* process answers (``INFO server``'s ``process_id``), never merely that
 something on the port says PONG.
+
+With a password (``pdserve up`` always gives one) the server admits clients as the ACL file
+``write_acl`` writes says: user ``USER`` with that password may do anything, a client without
+it may only PING (liveness probes need no credentials) and is refused everything else. The
+password is never on the server's command line (the file holds its SHA-256); clients get it
+in their URL (``with_credentials``), which ``redacted`` strips for printing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 START_TIMEOUT_S = 10.0
 START_ATTEMPTS = 5  # fresh ports tried when the port was ours to choose
+USER = "pdserve"  # the one user a password-protected private server admits
 
 
 class RedisServerError(RuntimeError):
@@ -45,12 +56,48 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def server_command(port: int, maxmemory_bytes: int | None = None) -> list[str]:
+def write_acl(path: Path, password: str) -> Path:
+    """Write (mode 0600) the ACL file of a server that admits ``USER`` with ``password`` and
+    lets a client without it only PING."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    text = f"user default on nopass -@all +ping\nuser {USER} on #{digest} ~* &* +@all\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def with_credentials(url: str, password: str) -> str:
+    """``url`` logging in as ``USER`` with ``password``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{USER}:{quote(password, safe='')}@{netloc}"))
+
+
+def has_credentials(url: str) -> bool:
+    return "://" in url and urlsplit(url).password is not None
+
+
+def redacted(url: str) -> str:
+    """``url`` without user and password (fit for a log)."""
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def server_command(
+    port: int, maxmemory_bytes: int | None = None, acl_file: Path | None = None
+) -> list[str]:
     """The command line of a private server on ``port``; raises ``RedisServerError``.
 
     Without ``maxmemory_bytes`` the server never evicts (what the prefix index and registry
     need); with it, it evicts the least recently used keys beyond that size (a cache, such as
-    the KV tier's chunks)."""
+    the KV tier's chunks). With ``acl_file`` (``write_acl``) it admits whom that file says."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError(
@@ -59,20 +106,32 @@ def server_command(port: int, maxmemory_bytes: int | None = None) -> list[str]:
         )
     limit = [] if maxmemory_bytes is None else [
         "--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
+    acl = [] if acl_file is None else ["--aclfile", str(acl_file)]
     return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--protected-mode", "yes", *limit]  # fmt: skip
+            "--appendonly", "no", "--protected-mode", "yes", *limit, *acl]  # fmt: skip
 
 
-def answers(port: int) -> bool:
-    """Whether a Redis answers on ``port`` (blocking, at most about a second)."""
-    return _server_pid(port) is not None
+def answers(port: int, password: str | None = None) -> bool:
+    """Whether a Redis answers on ``port`` (blocking, at most about a second); with
+    ``password``, as ``USER``."""
+    return _server_pid(port, password) is not None
 
 
-def _server_pid(port: int) -> int | None:
+def _command(*args: str) -> bytes:
+    """One command in RESP (a password may hold any character)."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _server_pid(port: int, password: str | None = None) -> int | None:
     """The process id of the Redis answering on ``port`` (None: none answers)."""
+    auth = b"" if password is None else _command("AUTH", USER, password)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-            conn.sendall(b"INFO server\r\n")
+            conn.sendall(auth + _command("INFO", "server"))
             reply = b""
             while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
                 chunk = conn.recv(4096)
@@ -86,15 +145,29 @@ def _server_pid(port: int) -> int | None:
 
 
 class RedisServer:
-    def __init__(self, port: int = 0, log_file: Path | None = None) -> None:
+    """A private server; with ``password``, one that admits ``USER`` with it (``url`` logs in)."""
+
+    def __init__(
+        self, port: int = 0, log_file: Path | None = None, password: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self._any_port = port == 0  # until it first starts: then clients know the port
         self.log_file = log_file
+        self.password = password
         self.process: subprocess.Popen[bytes] | None = None
+        self._acl_dir: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        url = f"redis://127.0.0.1:{self.port}/0"
+        return url if self.password is None else with_credentials(url, self.password)
+
+    def _acl_file(self) -> Path | None:
+        if self.password is None:
+            return None
+        if self._acl_dir is None:
+            self._acl_dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        return write_acl(Path(self._acl_dir) / "users.acl", self.password)
 
     def start(self) -> RedisServer:
         """Start (again, after ``stop``, on the same port); raises ``RedisServerError``."""
@@ -109,14 +182,14 @@ class RedisServer:
 
     def _launch(self) -> bool:
         """True once this process answers; False (and stopped) if it exited or timed out."""
-        args = server_command(self.port)
+        args = server_command(self.port, acl_file=self._acl_file())
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.process = process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                                   start_new_session=True)  # fmt: skip
         if self.log_file:
             out.close()  # type: ignore[union-attr]  # the child has its own copy
         deadline = time.monotonic() + START_TIMEOUT_S
-        while _server_pid(self.port) != process.pid:
+        while _server_pid(self.port, self.password) != process.pid:
             if process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 return False
@@ -124,6 +197,9 @@ class RedisServer:
         return True
 
     def stop(self) -> None:
+        if self._acl_dir is not None:
+            shutil.rmtree(self._acl_dir, ignore_errors=True)
+            self._acl_dir = None
         if self.process is None:
             return
         self.process.terminate()

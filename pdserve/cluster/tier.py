@@ -4,7 +4,9 @@ and when it starts a tier Redis of its own.
 ``--kv-tier redis`` without ``--kv-tier-url`` gets a private redis-server for the tier, started
 and supervised like the one for the prefix index, but with ``maxmemory`` and LRU eviction: the
 tier is a cache whose chunks may go, while the index and the worker registry must never be
-evicted, so the two never share a Redis and so never one memory limit.
+evicted, so the two never share a Redis and so never one memory limit. Like the index's, it
+admits only clients with the password ``pdserve up`` writes next to the deployment secret
+(``up.redis_password``; docs/kv-tier.md, "Redis: only clients with the password").
 """
 
 from __future__ import annotations

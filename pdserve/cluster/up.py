@@ -31,7 +31,17 @@ from pdserve import settings as shared
 from pdserve.cluster import gpu as up_gpu
 from pdserve.cluster import tier as up_tier
 from pdserve.cluster.backoff import Backoff
-from pdserve.cluster.redis_server import RedisServerError, answers, free_ports, server_command
+from pdserve.cluster.redis_server import (
+    USER,
+    RedisServerError,
+    answers,
+    free_ports,
+    has_credentials,
+    redacted,
+    server_command,
+    with_credentials,
+    write_acl,
+)
 from pdserve.cluster.supervisor import (
     ChildExitPolicy,
     ChildSpec,
@@ -238,8 +248,10 @@ def worker_spec(
         prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, s.prefill, s.decode)
         side = (prefill_ports if role == "prefill" else decode_ports)[index]
         kv_flags = ["--kv-connector", "nixl", "--nixl-port", str(side)]
-    redis = ["--redis-url", s.redis_url] if s.redis_url else []
-    tier = up_tier.worker_flags(s.kv_tier, s.kv_tier_url, s.kv_tier_cpu_gib, name)
+    # A URL with a password goes in the environment (credentials_env), never on a command line.
+    redis = ["--redis-url", s.redis_url] if s.redis_url and not has_credentials(s.redis_url) else []
+    tier_url = "" if has_credentials(s.kv_tier_url) else s.kv_tier_url
+    tier = up_tier.worker_flags(s.kv_tier, tier_url, s.kv_tier_cpu_gib, name)
     flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis, *tier]
     argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
     env = {**CHILD_ENV, **placement.env}
@@ -255,7 +267,7 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
         "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
         # "=": an empty list (no prefill workers) stays an explicit empty value.
         "--prefill-workers=" + ",".join(prefill), "--decode-workers=" + ",".join(decode),
-        *(["--redis-url", s.redis_url] if s.redis_url else []),
+        *(["--redis-url", s.redis_url] if s.redis_url and not has_credentials(s.redis_url) else []),
     )  # fmt: skip
     # Ready when the gateway itself sees every worker, so no first request goes local.
     expect = {"healthy_prefill_workers": s.prefill, "healthy_decode_workers": s.decode}
@@ -286,34 +298,74 @@ def build_specs(
     return [*specs, gateway_spec(s)], warning
 
 
-def redis_spec(port: int, name: str = "redis", maxmemory_bytes: int | None = None) -> ChildSpec:
+def redis_spec(
+    port: int,
+    name: str = "redis",
+    maxmemory_bytes: int | None = None,
+    password: str | None = None,
+    acl_file: Path | None = None,
+) -> ChildSpec:
     """A private redis-server on ``port``, stopped last (the workers withdraw from it as they
-    stop); with ``maxmemory_bytes`` it evicts (see ``server_command``). Raises
+    stop); with ``maxmemory_bytes`` it evicts, with ``acl_file`` (holding ``password``) it
+    admits only clients with the password (see ``server_command``). Raises
     ``RedisServerError`` when it is not installed."""
-    argv = tuple(server_command(port, maxmemory_bytes))
+    argv = tuple(server_command(port, maxmemory_bytes, acl_file))
 
     async def check() -> bool:
-        return await asyncio.to_thread(answers, port)
+        return await asyncio.to_thread(answers, port, password)
 
     return ChildSpec(name, argv, {}, check, stop_stage=2)
 
 
-def private_redis_specs(s: UpSettings) -> tuple[UpSettings, list[ChildSpec]]:
+def private_redis_specs(
+    s: UpSettings, password: str | None = None, acl_file: Path | None = None
+) -> tuple[UpSettings, list[ChildSpec]]:
     """The private redis-servers ``s`` asks for (the index's without --redis-url; the tier's for
-    --kv-tier redis without --kv-tier-url), and ``s`` with their URLs filled in. Raises
-    ``RedisServerError`` when redis-server is not installed."""
+    --kv-tier redis without --kv-tier-url), and ``s`` with their URLs filled in. With
+    ``password`` (and ``acl_file``, ``redis_server.write_acl``) both admit only clients with
+    it, and the URLs carry it. Raises ``RedisServerError`` when redis-server is not installed."""
     specs: list[ChildSpec] = []
     ports = iter(free_ports(2))  # different ones: chosen one after another they can repeat
+
+    def url(port: int) -> str:
+        plain = f"redis://127.0.0.1:{port}/0"
+        return plain if password is None else with_credentials(plain, password)
+
     if not s.redis_url:
         port = next(ports)
-        specs.append(redis_spec(port))
-        s = s.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+        specs.append(redis_spec(port, password=password, acl_file=acl_file))
+        s = s.model_copy(update={"redis_url": url(port)})
     if up_tier.private_redis(s.kv_tier, s.kv_tier_url):
         port = next(ports)
         limit = up_tier.maxmemory_bytes(s.kv_tier_redis_gib)
-        specs.append(redis_spec(port, "tier-redis", limit))
-        s = s.model_copy(update={"kv_tier_url": f"redis://127.0.0.1:{port}/0"})
+        specs.append(redis_spec(port, "tier-redis", limit, password, acl_file))
+        s = s.model_copy(update={"kv_tier_url": url(port)})
     return s, specs
+
+
+def credentials_env(s: UpSettings) -> dict[str, str]:
+    """The workers' and the gateway's Redis URLs that hold a password, as their settings'
+    environment variables. ``run`` puts them into its own environment, which every child
+    inherits: a command line is visible to every user of the machine (``ps``), and the
+    supervisor writes each child's own ``ChildSpec.env`` into its log."""
+    env: dict[str, str] = {}
+    if has_credentials(s.redis_url):
+        for prefix in ("PDSERVE_PREFILL_", "PDSERVE_DECODE_", "PDSERVE_GATEWAY_"):
+            env[f"{prefix}REDIS_URL"] = s.redis_url
+    if s.kv_tier != "off" and has_credentials(s.kv_tier_url):
+        for prefix in ("PDSERVE_PREFILL_", "PDSERVE_DECODE_"):
+            env[f"{prefix}KV_TIER_URL"] = s.kv_tier_url
+    return env
+
+
+def redis_password(s: UpSettings, log_dir: Path) -> tuple[str | None, Path | None]:
+    """For the private redis-servers ``s`` needs (none: (None, None)): a fresh password in
+    ``<log_dir>/redis-password`` and the servers' ACL file ``<log_dir>/redis-users.acl``
+    (both mode 0600, next to the deployment secret; the ACL file holds only its SHA-256)."""
+    if s.redis_url and not up_tier.private_redis(s.kv_tier, s.kv_tier_url):
+        return None, None
+    password = write_new(_prepared(log_dir) / "redis-password").read_text().strip()
+    return password, write_acl(log_dir / "redis-users.acl", password)
 
 
 def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
@@ -435,16 +487,20 @@ def run(args: argparse.Namespace) -> int:
     print(up_gpu.choice_line(connector, gpus, s.nixl_port, s.prefill + s.decode), flush=True)
     secret_env = deployment_secret_env(log_dir)
     given = s
+    password, acl_file = redis_password(s, log_dir)
     try:
-        s, redis = private_redis_specs(s)
+        s, redis = private_redis_specs(s, password, acl_file)
     except RedisServerError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
+    login = f"user {USER}, password in {log_dir / 'redis-password'}"
     if s.redis_url != given.redis_url:
-        print(f"pdserve up: private redis-server on {s.redis_url}", flush=True)
+        print(f"pdserve up: private redis-server on {redacted(s.redis_url)} ({login})", flush=True)
     if s.kv_tier_url != given.kv_tier_url:
         limit = f"maxmemory {s.kv_tier_redis_gib:g} GiB, allkeys-lru"
-        print(f"pdserve up: KV tier redis-server on {s.kv_tier_url} ({limit})", flush=True)
+        print(f"pdserve up: KV tier redis-server on {redacted(s.kv_tier_url)} ({limit}, {login})",
+              flush=True)  # fmt: skip
+    os.environ.update(credentials_env(s))
     cores = usable_cores()
     table = lending_table(s, gpus, cores, log_dir)
     specs, warning = build_specs(s, gpus, cores, table)

@@ -203,7 +203,14 @@ def apply_environment(settings: WorkerSettings) -> None:
         os.environ.update(env)
         log.info("engine default %s", line)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.log_level.upper())
-    os.environ.update(kv_tier.lmcache_env(settings))
+    if settings.kv_tier != "off":
+        from pdserve.rpc.secret import secret_file
+
+        user_extra = os.environ.get(kv_tier.EXTRA_CONFIG_ENV, "")
+        tier_env = kv_tier.lmcache_env(settings, secret_file(), user_extra)
+        for name in kv_tier.REMOTE_ENV:  # no remote storage but pdserve's authenticated one
+            os.environ.pop(name, None)
+        os.environ.update(tier_env)
     os.environ.update(nixl_env(settings))
     if settings.kv_tier != "off" and "VLLM_RPC_BASE_PATH" not in os.environ:
         # LMCache names its engine-internal sockets after the engine id (the worker id), so

@@ -9,18 +9,30 @@ variables in the engine process; pdserve sets the ones the tier needs and leaves
 A tier is *shared* when other workers can read what this one stored (redis, fs, lm); its
 identity ``<backend>:<location>`` is reported in the worker's capabilities so that the gateway
 can count a prefix held there as available to every worker with the same identity.
+
+A shared tier is also storage other processes can write, so LMCache reaches it only through
+pdserve's remote storage plugin (``kv_transfer.tier_integrity``), which authenticates every
+chunk with the deployment secret: a worker without the secret refuses to start with a shared
+tier. The tier's location (a Redis URL may hold a password) travels to the engine in
+``TIER_URL_ENV``, never in LMCache's own configuration, which LMCache logs.
 """
 
 from __future__ import annotations
 
+import json
 from urllib.parse import urlsplit, urlunsplit
 
+from kv_transfer import tier_plugin
 from pdserve.worker.config import WorkerSettings
 
 SHARED = ("redis", "fs", "lm")
 # LMCache hashes token chunks; the default uses Python's per-process hash(), so two
 # processes would never find each other's chunks.
 HASH_ALGORITHM = "sha256_cbor"
+EXTRA_CONFIG_ENV = "LMCACHE_EXTRA_CONFIG"
+# LMCache's remote storage is pdserve's to configure (only through its authenticating plugin):
+# the worker removes these from the engine's environment whenever it runs a tier.
+REMOTE_ENV = ("LMCACHE_REMOTE_URL", "LMCACHE_REMOTE_STORAGE_PLUGINS")
 
 
 class TierConfigError(ValueError):
@@ -74,8 +86,12 @@ def identity(settings: WorkerSettings) -> str:
     return f"{settings.kv_tier}:{host}{port}{path}"
 
 
-def lmcache_env(settings: WorkerSettings) -> dict[str, str]:
-    """The LMCACHE_* variables the engine process needs for the configured tier."""
+def lmcache_env(
+    settings: WorkerSettings, secret_file: str = "", extra_config: str = ""
+) -> dict[str, str]:
+    """The variables the engine process needs for the configured tier. ``secret_file`` is the
+    deployment secret's path (shared tiers); ``extra_config`` the user's own
+    ``LMCACHE_EXTRA_CONFIG`` (JSON), to which the plugin's entries are added."""
     kind = settings.kv_tier
     if kind == "off":
         return {}
@@ -91,12 +107,18 @@ def lmcache_env(settings: WorkerSettings) -> dict[str, str]:
     if kind == "disk":
         env["LMCACHE_LOCAL_DISK"] = f"file://{url}"
         env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = f"{max(settings.kv_tier_cpu_gib * 4, 1):g}"
-    elif kind == "fs":
-        env["LMCACHE_REMOTE_URL"] = f"fs://host:0/{url.lstrip('/')}"
+    elif kind in SHARED:
+        env["LMCACHE_REMOTE_STORAGE_PLUGINS"] = tier_plugin.PLUGIN
         env["LMCACHE_REMOTE_SERDE"] = "naive"
-    elif kind in ("redis", "lm"):
-        env["LMCACHE_REMOTE_URL"] = url
-        env["LMCACHE_REMOTE_SERDE"] = "naive"
+        try:
+            extra = json.loads(extra_config) if extra_config.strip() else {}
+        except ValueError as exc:
+            raise TierConfigError(f"{EXTRA_CONFIG_ENV} is not JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise TierConfigError(f"{EXTRA_CONFIG_ENV} must be a JSON object")
+        extra.update(tier_plugin.plugin_config(secret_file))
+        env[EXTRA_CONFIG_ENV] = json.dumps(extra)
+        env[tier_plugin.TIER_URL_ENV] = f"fs://host:0/{url.lstrip('/')}" if kind == "fs" else url
     return env
 
 
@@ -115,12 +137,22 @@ def connector(role: str, gpu: bool) -> dict[str, object]:
 
 
 def check(settings: WorkerSettings) -> None:
-    """Fail before the engine starts if the tier cannot work (bad settings, no LMCache)."""
+    """Fail before the engine starts if the tier cannot work (bad settings, a shared tier
+    without the deployment secret, no LMCache)."""
+    from pdserve.rpc.secret import deployment_secret
+
     if settings.kv_tier == "off":
         return
     tier_url(settings)
     if settings.kv_tier_chunk_tokens % 16:
         raise TierConfigError("--kv-tier-chunk-tokens must be a multiple of 16")
+    if settings.kv_tier in SHARED and deployment_secret() is None:
+        raise TierConfigError(
+            f"--kv-tier {settings.kv_tier} is shared with every process that can write the "
+            "tier, and a worker loads only chunks authenticated with the deployment secret: "
+            "set PDSERVE_SECRET_FILE (the same secret file on every worker; `pdserve up` "
+            "writes one), or use --kv-tier cpu or disk"
+        )
     from pdserve.worker import lmcache_deps
 
     broken = lmcache_deps.problems([settings.kv_tier])

@@ -58,6 +58,8 @@ ROLE_SETTINGS: dict[str, type[BaseSettings]] = {
 PROCESS_ENV = {
     "PDSERVE_CACHE_DIR": ROOT / "pdserve" / "settings.py",
     "PDSERVE_SECRET_FILE": ROOT / "pdserve" / "rpc" / "secret.py",
+    # Set by a worker for its engine (the KV tier's location, for kv_transfer.tier_integrity).
+    "PDSERVE_KV_TIER_REMOTE_URL": ROOT / "kv_transfer" / "tier_plugin.py",
 }
 # The KV connector's /dev/shm must hold the KV cache plus this much.
 SHM_HEADROOM_GIB = 0.5
@@ -156,13 +158,23 @@ def _empty_file() -> str:
     return path
 
 
+# The one compose variable without a default (the Redis servers' password): the checks give
+# it this value, from their own environment, which wins over any --env-file.
+COMPOSE_REDIS_PASSWORD = "0123456789abcdef0123456789abcdef"
+
+
 @functools.cache
-def compose_config(*args: str) -> dict[str, Any]:
+def compose_config(
+    *args: str, redis_password: str | None = COMPOSE_REDIS_PASSWORD
+) -> dict[str, Any]:
     """``docker-compose -f compose.yaml [args] config``: validated and interpolated with the
-    file's own defaults (no variables from this shell, no deploy/compose/.env of a developer)."""
+    file's own defaults (no variables from this shell, no deploy/compose/.env of a developer)
+    and REDIS_PASSWORD (None: unset)."""
     env_file = [] if "--env-file" in args else ["--env-file", _empty_file()]
     argv = [find_tool("docker-compose"), "-f", str(COMPOSE_FILE), *env_file, *args, "config"]
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL")}
+    if redis_password is not None:
+        env["REDIS_PASSWORD"] = redis_password
     return dict(yaml.safe_load(run(argv, env=env)))
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.cluster.redis_server import redacted
 from pdserve.worker.engine import nixl_env
 from tests.deploy.support import (
     COMPOSE_FILE,
@@ -126,7 +127,7 @@ def test_workers_bind_all_interfaces_and_advertise_their_service_name() -> None:
         assert env[p + "HOST"] == "0.0.0.0"
         assert env[p + "ADVERTISE_HOST"] == name
         assert env[p + "PORT"] == str(default(role(s), "port"))
-        assert env[p + "REDIS_URL"] == "redis://redis:6379/0"
+        assert redacted(env[p + "REDIS_URL"]) == "redis://redis:6379/0"  # + its login
         if role(s) == "prefill" and env[p + "KV_CONNECTOR"] == "pdserve":
             assert env[p + "KV_BIND_HOST"] == "0.0.0.0"
             assert env[p + "KV_PORT"] == str(default("prefill", "kv_port"))
@@ -147,7 +148,7 @@ def test_gateways_point_at_their_workers() -> None:
         prefill, decode = f"prefill{suffix}", f"decode{suffix}"
         assert env["PDSERVE_GATEWAY_PREFILL_WORKERS"] == f"{prefill}:{default('prefill', 'port')}"
         assert env["PDSERVE_GATEWAY_DECODE_WORKERS"] == f"{decode}:{default('decode', 'port')}"
-        assert env["PDSERVE_GATEWAY_REDIS_URL"] == "redis://redis:6379/0"
+        assert redacted(env["PDSERVE_GATEWAY_REDIS_URL"]) == "redis://redis:6379/0"  # + its login
         published = {_container_port(p) for p in svc[gateway]["ports"]}
         assert all(str(p).startswith("127.0.0.1:") for p in svc[gateway]["ports"]), "no API keys"
         assert published == {default("gateway", "http_port"), default("gateway", "grpc_port")}

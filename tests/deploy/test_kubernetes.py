@@ -8,6 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from pdserve.cluster.redis_server import redacted
 from pdserve.worker.engine import nixl_env
 from tests.deploy.support import (
     IMAGES,
@@ -157,7 +158,7 @@ def test_workers_bind_all_interfaces_and_advertise_the_pod_ip(path: str) -> None
         # Kubernetes discovery is through Redis: no static worker lists.
         assert not {k for k in env if k.endswith("_WORKERS")}, role
         if path != "base":
-            assert env[prefix + "REDIS_URL"] == "redis://redis:6379/0"
+            assert redacted(env[prefix + "REDIS_URL"]) == "redis://redis:6379/0"  # + its login
 
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS)

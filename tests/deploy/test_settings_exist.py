@@ -98,7 +98,9 @@ def test_the_lookup_itself() -> None:
     assert setting_problem("PDSERVE_ROUTER_PORT") is not None
     assert flag_problem("prefill", "--kv-port=1") is None
     assert flag_problem("gateway", "--kv-port") is not None
-    assert set(PROCESS_ENV) == {"PDSERVE_CACHE_DIR", "PDSERVE_SECRET_FILE"}
+    assert set(PROCESS_ENV) == {
+        "PDSERVE_CACHE_DIR", "PDSERVE_SECRET_FILE", "PDSERVE_KV_TIER_REMOTE_URL",
+    }  # fmt: skip
 
 
 def test_compose_settings_exist() -> None:

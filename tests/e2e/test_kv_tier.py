@@ -50,7 +50,10 @@ def tier_keys(cluster: RealCluster) -> set[bytes]:
     out = (cluster.log_dir / "pdserve-up.out").read_text(errors="replace")
     url = re.search(r"KV tier redis-server on (redis://\S+)", out)
     assert url, "pdserve up did not say where the tier's redis-server is"
-    client = redis.Redis.from_url(url.group(1), socket_timeout=10)
+    password = (cluster.log_dir / "redis-password").read_text().strip()  # pdserve up's ACL
+    client = redis.Redis.from_url(
+        url.group(1), username="pdserve", password=password, socket_timeout=10
+    )
     try:
         return set(client.keys("*"))
     finally:

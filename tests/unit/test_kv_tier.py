@@ -34,11 +34,15 @@ def test_lmcache_environment_of_each_tier() -> None:
     assert kv_tier.lmcache_env(settings()) == {}
     env = kv_tier.lmcache_env(settings(kv_tier="redis", redis_url="redis://h:1/0",
                                        kv_tier_cpu_gib=0.5, kv_tier_chunk_tokens=512))  # fmt: skip
-    assert env["LMCACHE_REMOTE_URL"] == "redis://h:1/1"
+    # The location reaches pdserve's authenticating plugin, not LMCache's configuration
+    # (tests/unit/test_kv_tier_integrity.py).
+    assert "LMCACHE_REMOTE_URL" not in env
+    assert env["PDSERVE_KV_TIER_REMOTE_URL"] == "redis://h:1/1"
+    assert env["LMCACHE_REMOTE_STORAGE_PLUGINS"] == "pdserve"
     assert env["LMCACHE_CHUNK_SIZE"] == "512"
     assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "0.5"
     assert env["LMCACHE_PRE_CACHING_HASH_ALGORITHM"] == "sha256_cbor"
-    assert "LMCACHE_REMOTE_URL" not in kv_tier.lmcache_env(settings(kv_tier="cpu"))
+    assert "LMCACHE_REMOTE_STORAGE_PLUGINS" not in kv_tier.lmcache_env(settings(kv_tier="cpu"))
     disk = kv_tier.lmcache_env(settings(kv_tier="disk", kv_tier_url="/var/kv"))
     assert disk["LMCACHE_LOCAL_DISK"] == "file:///var/kv"
 
