@@ -151,9 +151,7 @@ def peer_closed(sock: socket.socket) -> bool:
     """True when the peer has closed (or reset) the connection; never waits."""
     if sock.fileno() < 0:  # closed on this side
         return True
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    if not poller.poll(0):
+    if not wait_readable(sock, 0):
         return False
     try:  # readable: the peek returns at once
         return sock.recv(1, socket.MSG_PEEK) == b""
