@@ -27,7 +27,15 @@ class AgentConfig:
     port: int = 0
     lease_s: float = 30.0
     register_wait_s: float = 10.0
+    # Each read or write of a transfer (and, producer: a whole request frame) within this long.
     io_timeout_s: float = 30.0
+    # Consumer: a new connection to a producer agent, TCP connect and handshake together, within
+    # this long (apart from io_timeout_s, so that an unreachable prefill worker fails its pulls
+    # in seconds, not in a transfer's timeout).
+    connect_timeout_s: float = 3.0
+    # Consumer: jobs (pulls, releases) running at once to one producer agent, at most (and at
+    # most max_peer_connections). Each producer agent has its own workers and queue
+    # (kv_transfer.peer_lanes): a stalled one never delays pulls from the others.
     max_parallel: int = 8
     # File holding the deployment secret ("" = none: the port is open, see kv_transfer.auth).
     secret_file: str = ""

@@ -13,6 +13,7 @@ vLLM makes one instance in the EngineCore process (role SCHEDULER) and one per w
 Extra config keys: ``kv_host`` (address decode workers use to reach this prefill worker),
 ``kv_bind_host`` (default 0.0.0.0), ``kv_port`` (producer's transfer port; TP rank r uses
 kv_port + r), ``lease_s`` (30), ``register_wait_s`` (10), ``io_timeout_s`` (30),
+``connect_timeout_s`` (3: a decode worker's connect and handshake to a prefill worker),
 ``compat`` (the description from ``kv_transfer.compat.describe``, filled in if absent),
 ``secret_file`` (file holding the deployment secret; "" = run open, see ``kv_transfer.auth``).
 """
@@ -89,6 +90,7 @@ class PdserveConnector(KVConnectorBase_V1):
                 "lease_s": float(extra.get("lease_s", 30.0)),
                 "register_wait_s": float(extra.get("register_wait_s", 10.0)),
                 "io_timeout_s": float(extra.get("io_timeout_s", 30.0)),
+                "connect_timeout_s": float(extra.get("connect_timeout_s", 3.0)),
                 "secret_file": secret_file,
             },
         )

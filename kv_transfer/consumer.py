@@ -10,7 +10,15 @@ or not, because the engine frees the destination blocks only then.
 Pulls and releases reuse connections (``PeerConnections``): at most ``max_peer_connections``
 to one prefill agent, in use and kept idle together. A kept connection the prefill agent has
 closed meanwhile (its ``idle_timeout_s``, or a restart) is replaced by a new one: when that
-is seen before the request is sent, or when the request goes unanswered, once.
+is seen before the request is sent, or when the request goes unanswered, once. A new
+connection (TCP connect and handshake) gets ``connect_timeout_s``, not ``io_timeout_s``: an
+unreachable prefill agent fails its pulls within seconds.
+
+Jobs wait in their prefill agent's own queue (``PeerLanes``), each agent with its own workers
+(``max_parallel``, at most ``max_peer_connections``): pulls from an unreachable or silent
+prefill agent never delay those from the others. A pull cancelled while still queued is
+reported failed at once and never connects; one cancelled while connecting or transferring
+is cut (its connection shut down) and reported when its worker sees that.
 """
 
 from __future__ import annotations
@@ -23,13 +31,13 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import connect_keyed
 from kv_transfer.errors import KVTransferError
 from kv_transfer.integrity import MAC_BYTES, PullMac, Session, Tracker, check
+from kv_transfer.peer_lanes import PeerLanes
 from kv_transfer.wire import (
     ConnectionClosed,
     encode_frame,
@@ -155,9 +163,11 @@ class Consumer:
         self.regions = regions
         self.reporter = reporter
         self.port = 0
-        self.pool = ThreadPoolExecutor(config.max_parallel, thread_name_prefix="kv-pull")
+        # Each prefill agent's jobs run on its own workers, no more than its connections.
+        self.lanes = PeerLanes(min(config.max_parallel, config.max_peer_connections))
         self.conns = PeerConnections(config.max_peer_connections, self._open)
-        self.active: dict[str, socket.socket] = {}
+        self.queued: dict[str, dict[str, Any]] = {}  # pulls not started yet, by request
+        self.active: dict[str, socket.socket | None] = {}  # started (None: no connection yet)
         self.cancelled: set[str] = set()  # active pulls cancelled (never retried)
         self.lock = threading.Lock()
         # Each open connection's key and pulls so far (kv_transfer.integrity).
@@ -167,21 +177,70 @@ class Consumer:
 
     def handle(self, message: dict[str, Any]) -> None:
         op = message.get("op")
-        if op == "pull":
-            self.pool.submit(self._pull_job, message)
-        elif op == "release":
-            self.pool.submit(self._release_job, message)
+        if op in ("pull", "release"):
+            try:
+                peer = _peer(message)
+            except (KeyError, TypeError, ValueError) as exc:
+                if op == "pull" and "req" in message:
+                    self._report_unstarted(message, f"KV pull names no prefill agent: {exc!r}")
+                else:
+                    log.warning("%s names no prefill agent: %r", op, exc)
+                return
+            if op == "pull":
+                self._queue_pull(peer, message)
+            else:
+                self.lanes.submit(peer, lambda: self._release_job(message))
         elif op == "cancel":
             self._cancel(str(message["req"]))
         else:
             log.warning("unknown control message %r", op)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.lanes.close()
         self.conns.close()
 
+    def _queue_pull(self, peer: Peer, job: dict[str, Any]) -> None:
+        req = str(job["req"])
+        with self.lock:
+            duplicate = req in self.queued or req in self.active
+            if not duplicate:
+                self.queued[req] = job
+        if duplicate:  # jobs exist once (numbered at the engine): refuse, never drop silently
+            self._report_unstarted(job, f"KV pull of {req} is already queued or running")
+            return
+        self.lanes.submit(peer, lambda: self._start_pull(job))
+
+    def _start_pull(self, job: dict[str, Any]) -> None:
+        req = str(job["req"])
+        with self.lock:
+            if self.queued.get(req) is not job:
+                return  # cancelled while queued, and reported then
+            del self.queued[req]
+            self.active[req] = None  # started: a cancel now is seen once it has a connection
+        self._pull_job(job)
+
+    def _report_unstarted(self, job: dict[str, Any], error: str) -> None:
+        log.warning("%s", error)
+        self.reporter.send(
+            {
+                "op": "done",
+                "req": str(job["req"]),
+                "ok": False,
+                "started": time.time(),
+                "error": error,
+                "seconds": 0.0,
+                "blocks": len(job.get("local_blocks") or ()),
+            }
+        )
+
     def _open(self, peer: Peer) -> socket.socket:
-        conn, key = connect_keyed(peer[0], peer[1], self.secret, self.config.io_timeout_s)
+        timeout_s = self.config.connect_timeout_s
+        try:
+            conn, key = connect_keyed(peer[0], peer[1], self.secret, timeout_s)
+        except TimeoutError as exc:
+            raise KVTransferError(
+                f"no connection within connect_timeout_s ({timeout_s} s): {exc}"
+            ) from exc
         tune(conn)
         with self.lock:
             self.sessions[conn] = Session(key)
@@ -194,11 +253,15 @@ class Consumer:
         caller's to give back or drop (on an error it is dropped here). When a kept one goes
         unanswered (``Unanswered``: the peer closed it as idle, or restarted, and the others
         with it), ``work`` runs once more on a new one, unless ``req`` was cancelled."""
-        conn, reused = self.conns.take(peer, self.config.io_timeout_s)
+        conn, reused = self.conns.take(peer, self.config.connect_timeout_s)
         while True:
             if req is not None:
                 with self.lock:
+                    cancelled = req in self.cancelled
                     self.active[req] = conn
+                if cancelled:  # while it connected: nothing was sent on ``conn``
+                    self.conns.give(peer, conn)
+                    raise KVTransferError("cancelled")
             try:
                 return conn, work(conn)
             except Unanswered:
@@ -208,24 +271,27 @@ class Consumer:
                         raise
                 log.info("kept connection to %s:%s was closed; reconnecting", *peer)
                 self.conns.forget(peer)
-                conn, reused = self.conns.take(peer, self.config.io_timeout_s, fresh=True)
+                conn, reused = self.conns.take(peer, self.config.connect_timeout_s, fresh=True)
             except BaseException:
                 self.conns.drop(peer, conn)
                 raise
 
     def _cancel(self, req: str) -> None:
         with self.lock:
+            queued = self.queued.pop(req, None)
             conn = self.active.get(req)
-            if conn is not None:
+            if req in self.active:
                 self.cancelled.add(req)
-        if conn is not None:
+        if queued is not None:
+            self._report_unstarted(queued, f"KV pull of {req} cancelled before it started")
+        elif conn is not None:
             log.info("cancelling the pull of %s", req)
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
     def _release_job(self, job: dict[str, Any]) -> None:
         """Unpin a request's blocks on the prefill agent, over a kept connection too."""
-        peer, remote = (str(job["host"]), int(job["port"])), str(job["remote_req"])
+        peer, remote = _peer(job), str(job["remote_req"])
         try:
             conn, _ = self._on_connection(peer, None, lambda c: self._release(c, remote))
             self.conns.give(peer, conn)
@@ -244,7 +310,7 @@ class Consumer:
         req = str(job["req"])
         started = time.perf_counter()
         result: dict[str, Any] = {"op": "done", "req": req, "ok": False, "started": time.time()}
-        peer = (str(job["host"]), int(job["port"]))
+        peer = _peer(job)
         conn = None
         try:
             conn, result["bytes"] = self._on_connection(peer, req, lambda c: self._pull(c, job))
@@ -315,3 +381,7 @@ class Consumer:
         got = recv_views(conn, views, tracker.advance)
         check(mac.digest(), recv_exact(conn, MAC_BYTES))
         return got
+
+
+def _peer(job: dict[str, Any]) -> Peer:
+    return str(job["host"]), int(job["port"])
