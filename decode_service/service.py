@@ -10,7 +10,10 @@ connector checks it again, so nothing foreign is ever pulled into, or cached by,
 
 Releasing the prefill worker's blocks of a hand-off this worker will not run goes through the
 hand-off's connector. Ours: a release on the prefill worker's KV port, and lease renewals while
-the request waits in the engine's queue. vLLM's NixlConnector: the engine itself sends the
+the request waits in the engine's queue; our engine does not release a hand-off when it aborts
+a request it has not pulled yet (``kv_transfer.scheduler``): the gateway may hand it on to
+another decode worker (a retry before the first token), and releases it itself when the request
+ends (its ``Abort`` to the prefill worker). vLLM's NixlConnector: the engine itself sends the
 producer a notification for a request submitted already aborted
 (``notify_kv_transfer_request_rejected``, vllm/v1/engine/async_llm.py:924-950, which runs the
 connector's ``request_finished`` with ``do_remote_prefill`` still set: nixl/pull_scheduler.py:
@@ -39,6 +42,7 @@ from typing import Any
 from kv_transfer import seal
 from kv_transfer.client import release, renew
 from kv_transfer.errors import KVTransferError, PromptMismatch
+from pdserve.runtime.supervise import start_task
 from pdserve.telemetry import tracing
 from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, KVTransferFailed
@@ -221,7 +225,8 @@ class DecodeService(WorkerService):
         event.transfer = stats
 
     def _keep_lease(self, handoff: dict[str, Any]) -> asyncio.Task[None]:
-        return asyncio.create_task(self._renew_until_cancelled(handoff))
+        # Restarted if it fails (it keeps no state); one name, so one restart counter.
+        return start_task(lambda: self._renew_until_cancelled(handoff), "kv-lease-renewal")
 
     async def _renew_until_cancelled(self, handoff: dict[str, Any]) -> None:
         """Renew the hand-off's lease on every TP rank every third of the lease."""

@@ -9,8 +9,10 @@ request reports its transfer statistics (returned as ``kv_transfer_params["pdser
 Both halves account for the KV blocks they hold outside vLLM's normal life of a request
 (``lifecycle``, reported with every engine step's statistics): the producer the blocks pinned
 for decode workers, the consumer the blocks allocated for pulls and the hand-offs it has not
-pulled yet. A decode request aborted before its pull started releases the prefill worker's
-blocks at once.
+pulled yet. A decode request aborted before its pull started leaves the prefill worker's job
+pinned: the gateway may hand the same hand-off on to another decode worker (a retry before the
+first token), and releases it itself when the request really ends: its ``Abort`` to the
+prefill worker unpins the job by its key (``prefill_service``).
 """
 
 from __future__ import annotations
@@ -258,27 +260,11 @@ class ConsumerScheduler:
                 stats.transfer_error = str(result.get("error", "KV transfer failed"))
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
-        if request.request_id in self.expecting:
-            # Finished (aborted) while queued: its hand-off will never be pulled, so the
-            # prefill worker unpins the blocks now rather than when the lease runs out.
-            self.expecting.discard(request.request_id)
-            self._release_unpulled(request.kv_transfer_params or {})
+        # Finished (aborted) while queued: the hand-off is not this engine's to release (see
+        # the module doc); the lease keeps it only if the gateway is gone as well.
+        self.expecting.discard(request.request_id)
         stats = self.stats.pop(request.request_id, None)
         return False, ({"pdserve": stats.as_params()} if stats else None)
-
-    def _release_unpulled(self, params: dict[str, Any]) -> None:
-        if not seal.is_genuine(params, self.secret):
-            return  # never act on a forged hand-off (the decode service refuses those)
-        try:
-            job = ReleaseJob(
-                str(params["remote_host"]),
-                int(params["remote_port"]),
-                str(params["remote_request_id"]),
-            )
-        except (KeyError, TypeError, ValueError):
-            log.warning("cannot release an unpulled hand-off: its address is incomplete")
-            return
-        self.to_release.append(job)
 
 
 def _seq(value: Any) -> int | None:
