@@ -12,6 +12,7 @@ import time
 from gateway.pool import WorkerPool
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
 from pdserve.kvindex.redis_store import RedisStore
+from pdserve.runtime.supervise import start_task
 from pdserve.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class RegistryDiscovery:
             await asyncio.wait_for(self.sync(), first_pass_s)
         except TimeoutError:
             log.warning("first worker discovery did not finish in %.1f s; continuing", first_pass_s)
-        self._task = asyncio.create_task(self._loop(), name="gateway-discovery")
+        # A failed pass restarts the loop (pdserve.runtime.supervise): discovery goes on.
+        self._task = start_task(self._loop, "gateway-discovery")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -73,7 +75,4 @@ class RegistryDiscovery:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                await self.sync()
-            except Exception:  # a bug here must not end discovery for good
-                log.exception("worker discovery failed; retrying")
+            await self.sync()

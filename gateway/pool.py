@@ -24,6 +24,7 @@ from gateway.pairing import pairing_problem
 from gateway.prefill_pace import PrefillPace
 from pdserve.kvindex.interfaces import WorkerRecord
 from pdserve.rpc.client import RpcCallError
+from pdserve.runtime.supervise import start_task
 from pdserve.runtime.tasks import cancel_and_wait
 from prefill_service.client import PrefillClient
 from protos.v1 import worker_pb2
@@ -168,7 +169,8 @@ class WorkerPool:
             await asyncio.wait_for(self.refresh(), self.settings.control_timeout_s + 1.0)
         except TimeoutError:
             log.warning("first worker health check did not finish in time; continuing")
-        self._task = asyncio.create_task(self._refresh_loop(), name="gateway-pool-refresh")
+        # A failed refresh restarts the loop (pdserve.runtime.supervise): health checks go on.
+        self._task = start_task(self._refresh_loop, "gateway-pool-refresh")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -185,13 +187,7 @@ class WorkerPool:
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
-            try:
-                await self.refresh()
-            except Exception:  # a bug here must not stop health checking for good
-                log.exception(
-                    "worker pool refresh failed; retrying in %.1f s",
-                    self.settings.health_interval_s,
-                )
+            await self.refresh()
 
     async def refresh(self) -> None:
         workers: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]

@@ -32,6 +32,7 @@ from gateway.service import GenerationService
 from gateway.worker_metrics import WorkerCollector
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.rpc.server import GrpcServer
+from pdserve.runtime.supervise import exit_if_ended
 from protos.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,10 @@ class GatewayServer:
                 self._http_task.result()  # raises what stopped it
                 raise OSError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
+        # Once serving, an HTTP server that stops unasked cannot be restarted on the socket it
+        # closed: the gateway exits loudly and its supervisor restarts it.
+        http = self._http
+        exit_if_ended(self._http_task, "gateway-http", lambda: bool(http.should_exit))
 
     def _update_health(self) -> None:
         if self._grpc is None or self.service is None or self._stopping:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import threading
 from typing import Any
 
 from kv_transfer.auth import connect
 from kv_transfer.errors import KVTransferError
 from kv_transfer.registry import serve_mac
 from kv_transfer.wire import send_frame
+from pdserve.runtime.supervise import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ class Announcer:
         self.secret = secret
         self.conns: dict[int, socket.socket] = {}
         self.queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="kv-announce", daemon=True)
-        self.thread.start()
+        # A crash loses at most the message in hand (the next engine step registers it):
+        # restarted (pdserve.runtime.supervise).
+        self.thread = start_thread(self._run, "kv-announce")
 
     def announce(self, req: str, seq: int, blocks: list[int], digest: str, key: str = "") -> None:
         """Never blocks: the message is sent by the announcer's thread."""

@@ -66,6 +66,7 @@ from kv_transfer.wire import (
     tune,
     wait_readable,
 )
+from pdserve.runtime.supervise import start_thread
 
 log = logging.getLogger("kv_transfer.producer")
 
@@ -125,8 +126,9 @@ class Producer:
         self.refusals = 0
         self.listener = socket.create_server((config.bind_host, config.port), backlog=128)
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
-        threading.Thread(target=self._lease_loop, name="kv-lease", daemon=True).start()
+        # Both keep no state a crash could corrupt: restarted (pdserve.runtime.supervise).
+        start_thread(self._accept_loop, "kv-accept")
+        start_thread(self._lease_loop, "kv-lease")
 
     # ---- worker side -------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> None:
@@ -197,7 +199,9 @@ class Producer:
             try:
                 conn, peer = self.listener.accept()
             except OSError:
-                return
+                if self.closed:
+                    return
+                raise  # out of file descriptors, say: restarted after a backoff
             if not self.slots.acquire(blocking=False):
                 conn.close()  # over the cap: refuse at once rather than queue a thread
                 refused += 1
@@ -209,10 +213,18 @@ class Producer:
                         peer[0],
                     )
                 continue
-            ticket = self.gate.enter(conn, str(peer[0]))
-            threading.Thread(
-                target=self._serve_conn, args=(conn, peer, ticket), daemon=True
-            ).start()
+            ticket = None
+            try:
+                ticket = self.gate.enter(conn, str(peer[0]))
+                threading.Thread(
+                    target=self._serve_conn, args=(conn, peer, ticket), daemon=True
+                ).start()
+            except BaseException:  # the loop is restarted; this connection is given up
+                if ticket is not None:
+                    self.gate.leave(ticket)
+                self.slots.release()
+                conn.close()
+                raise
 
     def _serve_conn(self, conn: socket.socket, peer: Any, ticket: Ticket) -> None:
         """Authenticate the peer, then serve its requests until it closes (pulls reuse it)."""

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pdserve.runtime.supervise import start_thread
+
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
@@ -251,8 +253,9 @@ class LineChannel:
 
     def start_writer(self, name: str = "ctrl-writer") -> None:
         self._queue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name=name, daemon=True)
-        self._writer.start()
+        # A writer that failed mid-message left the stream unreadable: it cannot be restarted,
+        # the process goes down loudly instead (pdserve.runtime.supervise).
+        self._writer = start_thread(self._write_loop, name, restart=False)
 
     def send(self, message: dict[str, Any]) -> None:
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"

@@ -19,7 +19,7 @@ import torch
 from kv_transfer import integrity
 from kv_transfer.agent_context import AgentConfig
 from kv_transfer.compat import layer_bytes
-from kv_transfer.errors import UnsupportedKVCache
+from kv_transfer.errors import KVTransferError, UnsupportedKVCache
 from kv_transfer.handle import AgentHandle
 from kv_transfer.layout import LayerSpan, Layout
 from kv_transfer.metadata import StepMetadata, TransferReport
@@ -160,6 +160,7 @@ class WorkerSide:
     def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) to report this step."""
         assert self.agent is not None
+        self.check_agent()
         # vLLM accepts a finished send only for ids it has passed here before.
         self.seen_finished |= finished_req_ids & self.served
         for req in finished_req_ids & self.pulling:
@@ -181,6 +182,18 @@ class WorkerSide:
         self.seen_finished -= sending
         self.served -= sending
         return sending, recving, failed
+
+    def check_agent(self) -> None:
+        """The transfer process must outlive the engine: without it no pull would ever end
+        and no pinned block would ever be freed. Its death ends the engine (vLLM reports it
+        dead, the worker exits and ``pdserve up`` restarts it) instead of leaving requests
+        waiting forever."""
+        assert self.agent is not None
+        code = self.agent.process.poll()
+        if code is not None:
+            log.critical("the KV transfer process %d exited (code %s); stopping the engine",
+                         self.agent.process.pid, code)  # fmt: skip
+            raise KVTransferError(f"the KV transfer process exited with code {code}")
 
     def take_report(self) -> TransferReport | None:
         if not self.report.results:

@@ -1,2 +1,2 @@
 """What every long-running pdserve process does the same way: its heap at start-up, stopping
-background tasks."""
+background tasks, supervising background threads and tasks (``supervise``)."""

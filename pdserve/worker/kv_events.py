@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -117,7 +118,6 @@ class EventSink:
         max_blocks: int = 0,
     ) -> None:
         """``max_blocks``: the engine's KV block count (bounds the copy; 0: unbounded)."""
-        import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
         self.index, self.model, self.worker = index, model, worker
@@ -132,8 +132,15 @@ class EventSink:
         self.next_check = 0.0
         self.applied_steps = 0
         self.rewrites = 0
+        self.malformed = 0  # frames skipped: not a step of vLLM's KV events
 
     async def run(self) -> None:
+        """Follow the engine until cancelled. Run again after a failure (the worker's link
+        restarts it: ``pdserve.runtime.supervise``), it first rewrites the whole set, as
+        after a Redis restart: whatever the failure interrupted is then in the index."""
+        if self.context.closed:
+            self.context = zmq.asyncio.Context()
+        self.dirty = True
         sub = self.context.socket(zmq.SUB)
         # The engine binds (it may not have yet: ZMQ connects when it does); what it
         # publishes before the subscription reaches it is replayed.
@@ -153,6 +160,9 @@ class EventSink:
                     # publisher drops steps sent before it has seen our subscription).
                     await self._replay_from(self.last_seq + 1)
                     continue
+                if len(frames) != 3:
+                    self._skip(f"{len(frames)} frames instead of 3")
+                    continue
                 _, seq_bytes, payload = frames
                 await self._on_step(int.from_bytes(seq_bytes, "big"), payload)
         finally:
@@ -170,8 +180,14 @@ class EventSink:
         await self._apply(seq, payload)
 
     async def _apply(self, seq: int, payload: bytes) -> None:
-        """Apply one step to the copy, and to the index unless it awaits a rewrite anyway."""
-        ops = to_ops(self.decoder.decode(payload).events)
+        """Apply one step to the copy, and to the index unless it awaits a rewrite anyway;
+        a step that does not decode is skipped (``_skip``)."""
+        try:
+            ops = to_ops(self.decoder.decode(payload).events)
+        except msgspec.DecodeError as exc:  # ValidationError too
+            self.last_seq = seq  # the replay buffer holds the same bytes: asking again won't help
+            self._skip(f"step {seq}: {exc}")
+            return
         dropped = self.mirror.apply(ops)
         if dropped:
             ops.append(BlockOps(removed=dropped))
@@ -184,6 +200,12 @@ class EventSink:
         except IndexUnavailable as exc:
             log.warning("prefix index unavailable (%s); will rewrite it when it is back", exc)
             self.dirty = True
+
+    def _skip(self, what: str) -> None:
+        """Count a frame that is not a step of KV events; log the first ones and every 1000th."""
+        self.malformed += 1
+        if self.malformed <= 10 or self.malformed % 1000 == 0:
+            log.warning("skipped malformed KV event frame #%d (%s)", self.malformed, what)
 
     async def _check(self) -> None:
         """Does the index still hold as many blocks of this worker as the copy?"""

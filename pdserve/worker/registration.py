@@ -12,6 +12,7 @@ from typing import Any
 
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
+from pdserve.runtime.supervise import start_task
 from pdserve.runtime.tasks import cancel_and_wait
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
@@ -104,6 +105,7 @@ class IndexLink:
         self.epoch = uuid.uuid4().hex
         self.tasks: list[asyncio.Task[None]] = []
         self.record: WorkerRecord | None = None
+        self.sink: EventSink | None = None
 
     def kv_events_config(self) -> dict[str, Any]:
         return events_config(self.endpoints)
@@ -122,7 +124,13 @@ class IndexLink:
         sink = EventSink(
             self.store, info.served_model_name, s.name, self.endpoints, info.num_kv_blocks
         )
-        self.tasks = [asyncio.create_task(sink.run()), asyncio.create_task(self._heartbeat())]
+        # Both restart after a failure (pdserve.runtime.supervise): the sink rewrites the
+        # worker's whole set first, so a crash leaves no index frozen or stale.
+        self.sink = sink
+        self.tasks = [
+            start_task(sink.run, "kv-event-sink"),
+            start_task(self._heartbeat, "worker-heartbeat"),
+        ]
 
     async def _heartbeat(self) -> None:
         assert self.record is not None
