@@ -75,7 +75,8 @@ def install_cpu_copier(vllm_config: Any) -> None:
             return stock(config, metadata, engine, layout_hints=layout_hints)
         if config.use_layerwise or config.enable_blending:
             raise UnsupportedKVCache("LMCache layerwise and blending modes need a GPU")
-        if "#" not in str(metadata.model_name):  # the keys LMCache builds use this name
+        # The keys LMCache builds use this name; once (a model's own name may hold a "#").
+        if not str(metadata.model_name).endswith(f"#{suffix}"):
             metadata.model_name = f"{metadata.model_name}#{suffix}"
         return CpuBlockConnector(metadata.kv_shape, block_size)
 
