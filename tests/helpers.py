@@ -3,15 +3,19 @@ cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import re
 import socket
+import subprocess
+import tempfile
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -23,6 +27,12 @@ from pdserve.rpc.server import GrpcServer
 from pdserve.settings import default_model_dir
 
 MODEL_WAIT_S = 900.0
+PORT_ATTEMPTS = 5  # fresh ports tried by ``on_fresh_port`` after a start that lost its port
+# What a server says when the port it was told is taken (redis-server: "bind: Address already
+# in use").
+PORT_TAKEN = re.compile(r"in use|EADDRINUSE|cannot bind")
+
+T = TypeVar("T")
 
 
 # Sockets held for the whole test session; see ``dead_port``.
@@ -41,6 +51,78 @@ def dead_port() -> int:
 
 def dead_address() -> str:
     return f"127.0.0.1:{dead_port()}"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Whether ``condition`` holds within ``timeout_s`` (a generous bound: only a hang
+    reaches it), polled every 10 ms."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return condition()
+        time.sleep(0.01)
+    return True
+
+
+class PortTaken(Exception):
+    """A server could not bind the port it was told (another process took it first)."""
+
+
+def on_fresh_port(start: Callable[[int], T], attempts: int = PORT_ATTEMPTS) -> T:
+    """``start(port)`` on a free port; again on a fresh one while it raises ``PortTaken``.
+
+    For a process that must be told its port before it binds it (redis-server cannot bind
+    port 0 and report it): whatever chooses the port, another process may take it before the
+    server binds it. Every other server in the tests binds port 0 and reports its port."""
+    from pdserve.cluster.redis_server import free_port
+
+    for attempt in range(attempts):
+        try:
+            return start(free_port())
+        except PortTaken:
+            if attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def redis_process(
+    argv: Callable[[int], list[str]], password: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """The redis-server ``argv(port)`` starts, on a free port (``on_fresh_port``), once *it*
+    answers (with ``password``: logging in as ``redis_server.USER``): (port, process)."""
+    from pdserve.cluster.redis_server import server_pid
+
+    def start(port: int) -> tuple[int, subprocess.Popen[bytes]]:
+        args = argv(port)
+        with tempfile.TemporaryFile() as log:
+            process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 30
+            while server_pid(port, password) != process.pid:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    _stop(process)
+                    log.seek(0)
+                    out = log.read().decode(errors="replace")
+                    if PORT_TAKEN.search(out):
+                        raise PortTaken(out)
+                    raise AssertionError(f"{args[:3]} did not start ({process.returncode}):\n{out}")
+                time.sleep(0.05)
+        return port, process
+
+    port, process = on_fresh_port(start)
+    try:
+        yield port, process
+    finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @functools.cache
@@ -75,6 +157,26 @@ def cpu_engine_args(user: list[str], role: str = "") -> Any:
 
 def served_name() -> str:
     return Path(model_dir()).name
+
+
+class GatedDecode(FakeDecode):
+    """A fake decode worker whose streams stop after ``free`` tokens until ``gate`` is set: a
+    request stays in flight for as long as a test needs, however busy the machine (a delay
+    ends it on its own, maybe before the test has done its part)."""
+
+    def __init__(self, free: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.free = free
+        self.gate = asyncio.Event()
+
+    async def _decode(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        sent = 0
+        async with aclosing(super()._decode(request, context)) as chunks:
+            async for chunk in chunks:
+                if sent >= self.free:
+                    await self.gate.wait()
+                sent += 1
+                yield chunk
 
 
 @dataclass

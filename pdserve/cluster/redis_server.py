@@ -4,11 +4,13 @@ It keeps no data on disk (no RDB/AOF) and lives exactly as long as its owner. ``
 runs ``server_command`` as one of its supervised children (restarted like the others);
 ``RedisServer`` starts and stops one directly (tests, benchmarks).
 
-redis-server cannot bind port 0 and report the port, so a free port is chosen and then bound
-by the server a moment later; another process may take it in between. A server that was
-asked for any port therefore retries with a fresh one when its own process did not come up,
-and "up" means *this* process answers (``INFO server``'s ``process_id``), never merely that
-something on the port says PONG.
+redis-server cannot bind port 0 and report the port (``--port 0`` turns TCP off), so a free
+port is chosen and then bound by the server a moment later; another process may take it in
+between. Ports are therefore chosen below the kernel's ephemeral range (``free_ports``), where
+no other process gets a port without naming it, and a server that was asked for any port
+retries with a fresh one when its own process did not come up. "Up" means *this* process
+answers (``INFO server``'s ``process_id``), never merely that something on the port says
+PONG.
 
 With a password (``pdserve up`` always gives one) the server admits clients as the ACL file
 ``write_acl`` writes says: user ``USER`` with that password may do anything, a client without
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -31,6 +34,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 START_TIMEOUT_S = 10.0
 START_ATTEMPTS = 5  # fresh ports tried when the port was ours to choose
+CHOICE_TRIES = 1000  # random ports tried by free_ports
 USER = "pdserve"  # the one user a password-protected private server admits
 
 
@@ -43,17 +47,42 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` different loopback ports free now. All are held until all are chosen: ports
-    chosen one after another can repeat (a make test run once gave a gateway the same port
-    for HTTP and gRPC)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """``count`` different loopback ports free now, for a process that must be told its port
+    before it binds it (its start must try again on fresh ports when one was taken meanwhile).
+
+    They lie below the kernel's ephemeral range (``chosen_port_range``): a port that binding
+    port 0 reports lies inside it, where any other process's outgoing connection or port-0
+    bind may get it before the server binds it; below it only a process that names the port
+    can take it. All are held until all are chosen, so none repeats."""
+    ports = chosen_port_range()
+    sockets: list[socket.socket] = []
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
+        for _ in range(CHOICE_TRIES):
+            if len(sockets) == count:
+                break
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", random.randrange(ports.start, ports.stop)))
+            except OSError:  # in use (or lingering): another one
+                sock.close()
+                continue
+            sockets.append(sock)
+        if len(sockets) < count:
+            raise RedisServerError(f"no {count} free loopback ports in {ports}")
         return [int(sock.getsockname()[1]) for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def chosen_port_range() -> range:
+    """Where ``free_ports`` chooses: from 10000 up to the ephemeral range's first port."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return range(10000, max(low, 12000))
 
 
 def write_acl(path: Path, password: str) -> Path:
@@ -114,7 +143,7 @@ def server_command(
 def answers(port: int, password: str | None = None) -> bool:
     """Whether a Redis answers on ``port`` (blocking, at most about a second); with
     ``password``, as ``USER``."""
-    return _server_pid(port, password) is not None
+    return server_pid(port, password) is not None
 
 
 def _command(*args: str) -> bytes:
@@ -126,7 +155,7 @@ def _command(*args: str) -> bytes:
     return b"".join(out)
 
 
-def _server_pid(port: int, password: str | None = None) -> int | None:
+def server_pid(port: int, password: str | None = None) -> int | None:
     """The process id of the Redis answering on ``port`` (None: none answers)."""
     auth = b"" if password is None else _command("AUTH", USER, password)
     try:
@@ -145,15 +174,21 @@ def _server_pid(port: int, password: str | None = None) -> int | None:
 
 
 class RedisServer:
-    """A private server; with ``password``, one that admits ``USER`` with it (``url`` logs in)."""
+    """A private server; with ``password``, one that admits ``USER`` with it (``url`` logs in);
+    with ``maxmemory_bytes``, one that evicts (see ``server_command``)."""
 
     def __init__(
-        self, port: int = 0, log_file: Path | None = None, password: str | None = None
+        self,
+        port: int = 0,
+        log_file: Path | None = None,
+        password: str | None = None,
+        maxmemory_bytes: int | None = None,
     ) -> None:
         self.port = port or free_port()
         self._any_port = port == 0  # until it first starts: then clients know the port
         self.log_file = log_file
         self.password = password
+        self.maxmemory_bytes = maxmemory_bytes
         self.process: subprocess.Popen[bytes] | None = None
         self._acl_dir: str | None = None
 
@@ -182,14 +217,14 @@ class RedisServer:
 
     def _launch(self) -> bool:
         """True once this process answers; False (and stopped) if it exited or timed out."""
-        args = server_command(self.port, acl_file=self._acl_file())
+        args = server_command(self.port, self.maxmemory_bytes, self._acl_file())
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.process = process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                                   start_new_session=True)  # fmt: skip
         if self.log_file:
             out.close()  # type: ignore[union-attr]  # the child has its own copy
         deadline = time.monotonic() + START_TIMEOUT_S
-        while _server_pid(self.port, self.password) != process.pid:
+        while server_pid(self.port, self.password) != process.pid:
             if process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 return False

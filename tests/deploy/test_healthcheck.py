@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.deploy.support import ROOT
+from tests.helpers import dead_port
 
 SCRIPT = ROOT / "deploy" / "docker" / "healthcheck.py"
 
@@ -107,7 +108,7 @@ def test_worker_serving_not_serving_and_down(
     # The port from the environment, as in the containers.
     rc, out = check("decode", env={"PDSERVE_DECODE_PORT": str(port)})
     assert rc == 0, out
-    server_down = check("decode", env={"PDSERVE_DECODE_PORT": str(port + 1)})
+    server_down = check("decode", env={"PDSERVE_DECODE_PORT": str(dead_port())})
     assert server_down[0] == 1
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from pdserve.cluster.redis_server import USER, free_port
+from pdserve.cluster.redis_server import USER
 from tests.deploy.support import (
     COMPOSE_FILE,
     COMPOSE_REDIS_PASSWORD,
@@ -32,6 +31,7 @@ from tests.deploy.support import (
     pod_spec,
     workloads,
 )
+from tests.helpers import redis_process
 
 WITH_TIER = ("-f", str(KV_TIER_COMPOSE_FILE))
 HOSTS = {"REDIS_URL": "redis", "KV_TIER_URL": "tier-redis"}
@@ -40,24 +40,13 @@ HOSTS = {"REDIS_URL": "redis", "KV_TIER_URL": "tier-redis"}
 @contextmanager
 def running(command: list[str], password: str) -> Iterator[tuple[int, int]]:
     """The server ``command`` starts (a deployment's, on a free loopback port): (port, pid)."""
-    port = free_port()
-    argv = [*command, "--port", str(port), "--bind", "127.0.0.1"]
     env = {"PATH": os.environ["PATH"], "REDIS_PASSWORD": password}
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port, socket_timeout=1).ping()
-                break
-            except redis.exceptions.ConnectionError:
-                assert process.poll() is None, f"{argv[:3]} exited {process.returncode}"
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.05)
+
+    def argv(port: int) -> list[str]:
+        return [*command, "--port", str(port), "--bind", "127.0.0.1"]
+
+    with redis_process(argv, password, env) as (port, process):
         yield port, process.pid
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def check_server(command: list[str], password: str) -> None:

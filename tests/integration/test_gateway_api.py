@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
-from tests.helpers import gateway_cluster, parse_sse, served_name, tokenizer
+from tests.helpers import GatedDecode, gateway_cluster, parse_sse, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -217,16 +217,16 @@ async def test_api_keys_http(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 async def test_saturated_gateway_answers_429_with_retry_after() -> None:
     async with (
-        gateway_cluster(
-            decode=FakeDecode(delay_s=0.3), max_concurrent_requests=1, retry_after_s=2
-        ) as c,
-        httpx.AsyncClient(base_url=c.base_url) as http,
+        gateway_cluster(decode=GatedDecode(), max_concurrent_requests=1, retry_after_s=2) as c,
+        httpx.AsyncClient(base_url=c.base_url, timeout=60) as http,
     ):
         body = {"prompt": "x", "max_tokens": 4}
         slow = asyncio.ensure_future(http.post("/v1/completions", json=body))
         while not c.decode or not c.decode.seen.requests:  # the first one holds the slot
             await asyncio.sleep(0.01)
         refused = await http.post("/v1/completions", json=body)
+        assert isinstance(c.decode, GatedDecode)
+        c.decode.gate.set()  # only now the first one may finish
         assert (await slow).status_code == 200
         after = await http.post("/v1/completions", json=body)
     assert refused.status_code == 429

@@ -7,8 +7,8 @@ import asyncio
 
 import httpx
 
-from pdserve.bench.fake_worker import FakeDecode, FakePrefill
-from tests.helpers import counted, gateway_cluster
+from pdserve.bench.fake_worker import FakePrefill
+from tests.helpers import GatedDecode, counted, gateway_cluster
 
 BODY = {"prompt": "The same prompt every time", "max_tokens": 4}
 
@@ -37,15 +37,15 @@ async def test_queued_prefills_get_deadlines_that_follow_the_queue() -> None:
 
 async def test_saturated_decode_worker_gets_429_with_retry_after_counted() -> None:
     async with (
-        gateway_cluster(
-            decode=FakeDecode(delay_s=0.3), max_queue_per_worker=1, retry_after_s=3
-        ) as c,
+        gateway_cluster(decode=GatedDecode(), max_queue_per_worker=1, retry_after_s=3) as c,
         httpx.AsyncClient(base_url=c.base_url, timeout=60) as http,
     ):
         slow = asyncio.ensure_future(http.post("/v1/completions", json=BODY))
         while not c.decode or not c.decode.seen.requests:  # the first one is on the worker
             await asyncio.sleep(0.01)
         refused = await http.post("/v1/completions", json=BODY)
+        assert isinstance(c.decode, GatedDecode)
+        c.decode.gate.set()  # only now the first one may finish
         assert (await slow).status_code == 200
         after = await http.post("/v1/completions", json=BODY)
         metrics = (await http.get("/metrics")).text

@@ -18,10 +18,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.request_log import FIELDS
-from pdserve.bench.fake_worker import FakeDecode
 from pdserve.telemetry import log as pdlog
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.helpers import counted, gateway_cluster, served_name, tokenizer
+from tests.helpers import GatedDecode, counted, gateway_cluster, served_name, tokenizer
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -104,7 +103,7 @@ async def test_an_ok_request_is_one_line_with_its_workers_tokens_and_phases(
 
 async def test_a_cancelled_stream_is_one_line(log: Captured) -> None:
     body = {"model": served_name(), "prompt": "Hi", "max_tokens": 4, "stream": True}
-    decode = FakeDecode(delay_s=0.3)
+    decode = GatedDecode(free=1)  # one token, then nothing until the client is gone
     async with gateway_cluster(decode=decode) as c, httpx.AsyncClient(base_url=c.base_url) as h:
         headers = {"x-request-id": "edge-gone"}
         async with h.stream("POST", "/v1/completions", json=body, headers=headers) as reply:

@@ -83,7 +83,7 @@ async def fleet(redis_url: str, prefill: list[str], decode: list[str], tier: str
         discovery_interval_s=0.1, **{"disagg_min_uncached_tokens": 0, **overrides},  # type: ignore[arg-type]
     )  # fmt: skip
     gateway = GatewayServer(settings, tokenizer=tokenizer())
-    store = RedisStore(redis_url, timeout_s=0.5)
+    store = RedisStore(redis_url, timeout_s=5.0)
     result = Fleet(gateway, store, fakes_p, fakes_d, servers)
     await result.announce(*servers)
     await gateway.start()

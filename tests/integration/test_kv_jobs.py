@@ -59,7 +59,14 @@ def stand(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stand]:
     s.close()
 
 
-@pytest.mark.parametrize("stand", [{"lease_s": 0.5}], indirect=True)
+# How long a pull waits for its job to be registered: a pull for a job that ended fails at
+# once, which these tests tell from waiting with half of it (a busy machine's headroom).
+REGISTER_WAIT_S = 10.0
+
+
+@pytest.mark.parametrize(
+    "stand", [{"lease_s": 0.5, "register_wait_s": REGISTER_WAIT_S}], indirect=True
+)
 def test_a_late_duplicate_after_10000_ended_jobs_does_not_register(stand: Stand) -> None:
     """Job 1 is announced over the KV port and pulled; 10,000 later jobs end (their leases run
     out); then job 1's late copies arrive, through the worker and over the KV port again: the
@@ -80,12 +87,12 @@ def test_a_late_duplicate_after_10000_ended_jobs_does_not_register(stand: Stand)
         started = time.monotonic()
         done = stand.pull_seq("first", [5, 1], [2, 6], seq=1)
         assert not done["ok"] and "no longer held" in done["error"], done
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < REGISTER_WAIT_S / 2, "it waited for the job"
     finally:
         announcer.close()
 
 
-@pytest.mark.parametrize("stand", [{"register_wait_s": 10.0}], indirect=True)
+@pytest.mark.parametrize("stand", [{"register_wait_s": REGISTER_WAIT_S}], indirect=True)
 def test_a_pull_for_an_ended_job_fails_at_once(stand: Stand) -> None:
     stand.serve_seq("r", 1, [1, 2])
     assert stand.pull_seq("r", [1, 2], [3, 4], seq=1)["ok"]
@@ -93,7 +100,7 @@ def test_a_pull_for_an_ended_job_fails_at_once(stand: Stand) -> None:
     for epoch in ("", "an-earlier-start"):  # the same job again; a hand-off of a past start
         started = time.monotonic()
         done = stand.pull_seq("r", [1, 2], [3, 4], seq=1, epoch=epoch)
-        assert time.monotonic() - started < 1.0, done
+        assert time.monotonic() - started < REGISTER_WAIT_S / 2, done  # it did not wait
         assert not done["ok"], done
         assert "no longer held" in done["error"] or "earlier start" in done["error"]
     assert "earlier start" in done["error"]

@@ -415,10 +415,10 @@ def test_an_idle_connection_is_closed_and_the_next_pull_reconnects(stand: Stand)
     stand.serve("first", [1, 2])
     stand.pull_is_correct(consumer, "first", [1, 2], [3, 4])  # its connection is kept
     pid = consumer[0].process.pid
+    started = time.monotonic()  # before the connection: its idle time starts after this
     with connect("127.0.0.1", stand.port, stand.secret, 30) as idle:
-        started = time.monotonic()
-        assert closed_by_peer(idle)
-        assert 0.9 <= time.monotonic() - started < 6.0
+        assert closed_by_peer(idle)  # within 30 s (never: it times out)
+        assert time.monotonic() - started >= 1.0, "closed before it was idle for its timeout"
     # The consumer's kept connection was closed by the producer too (it waits in CLOSE_WAIT).
     assert client_connections(pid, stand.port, psutil.CONN_ESTABLISHED) == 0
     assert client_connections(pid, stand.port, psutil.CONN_CLOSE_WAIT) == 1

@@ -195,40 +195,46 @@ def test_the_scheduler_announces_jobs_at_once_and_the_late_step_copy_is_ignored(
         announcer.close()
 
 
-@pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)
+# The producer's lease where a test renews it: long next to the renewals (every 0.1 to 0.2 s),
+# so that only a renewal that never comes lets it run out, not a busy machine.
+RENEWED_LEASE_S = 2.0
+
+
+@pytest.mark.parametrize("agents", [{"lease_s": RENEWED_LEASE_S}], indirect=True)
 async def test_a_decode_worker_keeps_a_queued_handoff_alive_until_it_stops(
     agents: Agents,
 ) -> None:
     """The decode service renews the hand-off's lease while its engine has the request queued
-    (here: three leases long), and stops when told to: the lease then runs out."""
+    (here: one and a half leases long), and stops when told to: the lease then runs out."""
     from decode_service.config import DecodeSettings
     from decode_service.service import DecodeService
 
-    settings = DecodeSettings.model_validate({"kv_lease_s": 1.0})
+    # It renews every third of its own lease setting: every 0.2 s.
+    settings = DecodeSettings.model_validate({"kv_lease_s": 0.6})
     service = DecodeService(None, settings, None)
     service.secret = agents.secret  # the process-wide secret is read once, by whichever test
     agents.serve("queued", [2])
     handoff = {"remote_host": "127.0.0.1", "remote_port": agents.producer.port,
                "remote_request_id": "queued"}  # fmt: skip
     keeper = service._keep_lease(handoff)
-    await asyncio.sleep(3.0)
+    await asyncio.sleep(1.5 * RENEWED_LEASE_S)
     assert agents.producer.channel.poll() == []  # no "finished": still pinned
     keeper.cancel()
-    message = await asyncio.to_thread(next_message, agents.producer)
+    message = await asyncio.to_thread(next_message, agents.producer, 60.0)
     assert message == {"op": "finished", "req": "queued", "reason": "lease"}
 
 
-@pytest.mark.parametrize("agents", [{"lease_s": 1.0}], indirect=True)
+@pytest.mark.parametrize("agents", [{"lease_s": RENEWED_LEASE_S}], indirect=True)
 def test_renew_keeps_an_unpulled_job_pinned_past_its_lease(agents: Agents) -> None:
     port = agents.producer.port
     assert renew("127.0.0.1", port, "nobody", secret=agents.secret) is False
     agents.serve("queued", [2])
     wait_pinned(port, "queued", agents.secret)
-    # Renew for three leases' time: the job must outlive its original lease.
-    stop = threading.Event()
-    for _ in range(12):
+    # Renew for one and a half leases' time: the job must outlive its original lease.
+    pinned, stop = time.monotonic(), threading.Event()
+    while time.monotonic() - pinned < 1.5 * RENEWED_LEASE_S:
         assert renew("127.0.0.1", port, "queued", secret=agents.secret) is True
-        stop.wait(0.25)
+        stop.wait(0.1)
     assert agents.producer.channel.poll() == []  # no "finished" while renewed
     agents.pull("queued", [2], [3])
     assert next_message(agents.consumer)["ok"]
@@ -236,7 +242,8 @@ def test_renew_keeps_an_unpulled_job_pinned_past_its_lease(agents: Agents) -> No
     # Once it is gone, renew says so; an unrenewed job still expires.
     assert renew("127.0.0.1", port, "queued", secret=agents.secret) is False
     agents.serve("orphan", [4])
-    assert next_message(agents.producer) == {"op": "finished", "req": "orphan", "reason": "lease"}
+    finished = next_message(agents.producer, 60.0)
+    assert finished == {"op": "finished", "req": "orphan", "reason": "lease"}
 
 
 def test_renew_needs_the_secret(agents: Agents) -> None:

@@ -6,8 +6,6 @@ storage stack of tests/unit/test_kv_tier_integrity.py, over Redis instead of a d
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +16,13 @@ from kv_transfer.tier_integrity import REJECTIONS
 from pdserve.cluster.redis_server import (
     USER,
     RedisServer,
-    _server_pid,
     answers,
-    free_port,
     redacted,
     write_acl,
 )
+from pdserve.cluster.supervisor import ChildSpec
 from pdserve.cluster.up import redis_spec
+from tests.helpers import redis_process
 from tests.unit.test_kv_tier_integrity import Worker, key, secret, worker_env
 from tests.unit.test_kv_tier_integrity import loop as loop  # a fixture: LMCache's event loop
 
@@ -58,14 +56,14 @@ def test_a_client_without_the_password_may_only_ping(server: RedisServer) -> Non
 
 
 def test_up_s_redis_child_keeps_the_password_off_its_command_line(tmp_path: Path) -> None:
-    port = free_port()
-    spec = redis_spec(port, password=PASSWORD, acl_file=write_acl(tmp_path / "acl", PASSWORD))
-    process = subprocess.Popen(spec.argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 10
-        while _server_pid(port, PASSWORD) != process.pid:
-            assert process.poll() is None and time.monotonic() < deadline, "it did not start"
-            time.sleep(0.05)
+    acl_file, specs = write_acl(tmp_path / "acl", PASSWORD), list[ChildSpec]()
+
+    def argv(port: int) -> list[str]:
+        specs.append(redis_spec(port, password=PASSWORD, acl_file=acl_file))
+        return list(specs[-1].argv)
+
+    with redis_process(argv, PASSWORD) as (port, process):
+        spec = specs[-1]
         assert asyncio.run(spec.ready_check()), "up's readiness check logs in"  # type: ignore[misc]
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
         assert PASSWORD.encode() not in cmdline, "what `ps` shows every user"
@@ -74,9 +72,6 @@ def test_up_s_redis_child_keeps_the_password_off_its_command_line(tmp_path: Path
         with pytest.raises(redis.exceptions.NoPermissionError):
             anonymous.set("k", "v")
         anonymous.close()
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from kv_transfer import bench
 from kv_transfer.client import release, release_by_key
 from kv_transfer.handle import AgentHandle
-from tests.helpers import wait_pinned
+from tests.helpers import dead_port, wait_pinned
 
 GEO = bench.Geometry(blocks=4, block_bytes=4096)
 
@@ -115,13 +115,16 @@ def test_blocks_beyond_the_pinned_ones_are_refused(pair: Pair) -> None:
     assert not done["ok"] and "contiguous run" in done["error"]
 
 
-@pytest.mark.parametrize("pair", [{"producer": {"lease_s": 0.3}}], indirect=True)
+LEASE_S = 0.5
+
+
+@pytest.mark.parametrize("pair", [{"producer": {"lease_s": LEASE_S}}], indirect=True)
 def test_unpulled_blocks_are_unpinned_when_the_lease_runs_out(pair: Pair) -> None:
     started = time.monotonic()
     pair.serve("orphan", [0])
-    finished = next_message(pair.producer)
+    finished = next_message(pair.producer, timeout_s=60.0)  # how late: only a hang matters
     assert finished == {"op": "finished", "req": "orphan", "reason": "lease"}
-    assert 0.25 <= time.monotonic() - started < 3
+    assert time.monotonic() - started >= LEASE_S, "unpinned before its lease ran out"
 
 
 def test_release_unpins_at_once_and_also_before_registration(pair: Pair) -> None:
@@ -152,12 +155,7 @@ def test_release_by_key_unpins_the_job_that_carries_the_key(pair: Pair) -> None:
 
 @pytest.mark.parametrize("pair", [{"consumer": {"io_timeout_s": 2.0}}], indirect=True)
 def test_unreachable_producer_fails_the_pull(pair: Pair) -> None:
-    import socket
-
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        dead_port = probe.getsockname()[1]
-    pair.pull("r", remote=[0], local=[1], port=dead_port)
+    pair.pull("r", remote=[0], local=[1], port=dead_port())
     done = next_message(pair.consumer)
     assert not done["ok"] and "refused" in done["error"].lower()
 

@@ -144,7 +144,7 @@ async def test_a_worker_restarted_under_the_same_name_is_not_reaped(store: Redis
 
 
 async def test_unreachable_redis_is_a_clear_error_and_recovers(redis_server: RedisServer) -> None:
-    store = RedisStore(redis_server.url, timeout_s=0.5)
+    store = RedisStore(redis_server.url, timeout_s=5.0)  # refused at once: not a wait
     try:
         await store.apply(M, "p0", [BlockOps(stored=[1])])
         redis_server.stop()

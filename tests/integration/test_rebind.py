@@ -11,24 +11,21 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_transfer import bench
-from pdserve.cluster.redis_server import free_port
 from pdserve.rpc.server import GrpcServer
+from tests.helpers import wait_until
 from tests.integration.test_kv_transport import GEO, next_message
 
 GRPC_CHILD = r"""
-import asyncio, sys
+import asyncio
 from pdserve.rpc.server import GrpcServer
 async def main():
-    server = GrpcServer("127.0.0.1", int(sys.argv[1]), [], [])
-    await server.start()
-    print("listening", flush=True)
+    server = GrpcServer("127.0.0.1", 0, [], [])
+    print(await server.start(), flush=True)  # the port it bound
     await asyncio.sleep(600)
 asyncio.run(main())
 """
@@ -42,13 +39,6 @@ def plain_bind_fails(port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 async def health_check(port: int) -> None:
@@ -82,13 +72,13 @@ def wait_settings_ack(sock: socket.socket) -> None:
 
 
 def test_grpc_server_rebinds_its_port_right_after_a_crash() -> None:
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen(
-        [sys.executable, "-c", GRPC_CHILD, str(port)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", GRPC_CHILD], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "listening"
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
         client = socket.create_connection(("127.0.0.1", port), timeout=30)
         client.sendall(H2_PREFACE)
         wait_settings_ack(client)
@@ -96,7 +86,7 @@ def test_grpc_server_rebinds_its_port_right_after_a_crash() -> None:
         child.send_signal(signal.SIGKILL)  # the crash: the kernel closes the server's side
         child.wait()
     with client:  # kept open: the server's side of it lingers on the port
-        assert eventually(lambda: plain_bind_fails(port)), "no lingering socket: proves nothing"
+        assert wait_until(lambda: plain_bind_fails(port)), "no lingering socket: proves nothing"
 
         async def rebind() -> None:
             server = GrpcServer("127.0.0.1", port, [], [])
@@ -108,11 +98,11 @@ def test_grpc_server_rebinds_its_port_right_after_a_crash() -> None:
 
 
 def test_kv_producer_rebinds_its_port_right_after_a_crash() -> None:
-    port = free_port()
     p_fd, _, p_layout = bench.make_region(GEO, 8, seed=1)
     c_fd, _, c_layout = bench.make_region(GEO, 8, seed=2)
     consumer = bench.start_agent("consumer", c_fd, c_layout)
-    producer = bench.start_agent("producer", p_fd, p_layout, port=port)
+    producer = bench.start_agent("producer", p_fd, p_layout)  # on a port of its own choice
+    port = producer.port
     try:
         # one pull: the consumer keeps its connection to the producer's port for the next
         producer.channel.send({"op": "serve", "req": "r1", "blocks": [1, 2]})
@@ -124,7 +114,7 @@ def test_kv_producer_rebinds_its_port_right_after_a_crash() -> None:
         assert next_message(producer)["op"] == "finished"  # it has read the acknowledgement
         producer.process.kill()
         producer.process.wait()
-        assert eventually(lambda: plain_bind_fails(port)), "no lingering socket: proves nothing"
+        assert wait_until(lambda: plain_bind_fails(port)), "no lingering socket: proves nothing"
         again = bench.start_agent("producer", p_fd, p_layout, port=port)  # raises if it cannot
         assert again.port == port
         again.stop()

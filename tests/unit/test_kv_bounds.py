@@ -56,7 +56,9 @@ def test_a_frame_sent_a_byte_at_a_time_ends_at_its_deadline(
             recv_frame(right, 1024, deadline=started + 0.5)
     finally:
         stop.set()
-    assert 0.45 <= time.monotonic() - started < 1.5
+    # Not before its deadline; how long after is the machine's business (the whole trickle
+    # takes over 5 s, and a frame it completed would raise nothing).
+    assert time.monotonic() - started >= 0.5
 
 
 @pytest.mark.parametrize(
@@ -167,7 +169,9 @@ def test_connect_gives_up_within_its_timeout_when_every_handshake_is_cut_off() -
         started = time.monotonic()
         with pytest.raises(ConnectionClosed, match="closed every connection"):
             connect("127.0.0.1", port, SECRET, 0.5)
-        assert time.monotonic() - started < 2.0
+        # Without its timeout it would try forever; the bound leaves a busy machine 20 times
+        # the timeout.
+        assert time.monotonic() - started < 10.0
 
 
 def test_the_consumer_holds_at_most_its_cap_of_connections_to_one_peer() -> None:

@@ -315,12 +315,9 @@ def lm_server() -> str:
     """LMCache's own server (``lm://``), in this process."""
     from lmcache.v1.server.__main__ import LMCacheServer
 
-    from pdserve.cluster.redis_server import free_port
-
-    port = free_port()
-    server = LMCacheServer("127.0.0.1", port, "cpu")
+    server = LMCacheServer("127.0.0.1", 0, "cpu")  # binds (and listens) here
     threading.Thread(target=server.run, daemon=True).start()
-    return f"lm://127.0.0.1:{port}"
+    return f"lm://127.0.0.1:{server.server_socket.getsockname()[1]}"
 
 
 def test_the_lmcache_server_tier_loads_only_what_a_worker_with_the_secret_stored(

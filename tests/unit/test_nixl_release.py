@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -147,9 +147,15 @@ def test_a_decode_request_aborted_during_its_read_is_left_to_the_read() -> None:
 class FakeEngine:
     """Records the AsyncLLM calls of a service; ``outputs`` are what ``generate`` yields."""
 
-    def __init__(self, outputs: list[Any] | None = None, hold_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        outputs: list[Any] | None = None,
+        hold_s: float = 0.0,
+        hold_until: Callable[[], bool] | None = None,
+    ) -> None:
         self.outputs = outputs or []
         self.hold_s = hold_s
+        self.hold_until = hold_until  # the request stays queued until this holds (or 30 s)
         self.calls: list[tuple[str, Any, ...]] = []
         self.errored = False
 
@@ -164,6 +170,11 @@ class FakeEngine:
     ) -> AsyncIterator[Any]:
         self.calls.append(("generate", request_id, sampling))
         await asyncio.sleep(self.hold_s)
+        deadline = time.monotonic() + 30
+        while self.hold_until is not None and not self.hold_until():
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.005)
         for output in self.outputs:
             yield output
 
@@ -303,7 +314,8 @@ async def test_our_connector_keeps_renewing_and_releasing_over_tcp(
     """The contrast: the same requests with pdserve's connector use its TCP protocol."""
     ours = {"remote_host": "127.0.0.1", "remote_port": 15100, "remote_request_id": "r-1"}
     handoff = seal.seal(ours, SECRET)
-    engine = FakeEngine([output(7, True, "length")], hold_s=0.1)
+    # Queued until the keeper has renewed (every 10 ms): however busy the machine.
+    engine = FakeEngine([output(7, True, "length")], hold_until=lambda: bool(tcp_calls))
     service = decode_service(engine, connector="pdserve", lease_s=0.03)
     service._check_handoff = lambda handoff, token_ids: None  # not what this test is about
     await drain(service, handoff)

@@ -52,9 +52,10 @@ def test_in_the_busy_period_a_reader_sleeps_instead_of_spinning(
 ) -> None:
     monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "0.02")
     vllm_plugin.register()
-    started = time.monotonic()
-    condition.wait(_Reader(last_read=started), 100)
-    assert time.monotonic() - started >= 0.015  # slept, instead of yielding and returning
+    pauses: list[float] = []
+    monkeypatch.setattr(vllm_plugin.time, "sleep", pauses.append)
+    condition.wait(_Reader(last_read=time.monotonic()), 100)
+    assert pauses == [0.02]  # slept, instead of yielding and returning
     assert condition.vllm_calls == []
 
 
@@ -99,9 +100,10 @@ def test_past_the_busy_period_vllms_own_wait_runs(
 ) -> None:
     monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "5")
     vllm_plugin.register()
-    started = time.monotonic()
-    condition.wait(_Reader(last_read=started - 2.0), 100)
-    assert time.monotonic() - started < 1.0  # no 5 s pause
+    pauses: list[float] = []
+    monkeypatch.setattr(vllm_plugin.time, "sleep", pauses.append)
+    condition.wait(_Reader(last_read=time.monotonic() - 2.0), 100)
+    assert pauses == []  # no 5 s pause
     assert condition.vllm_calls == [100]
 
 
