@@ -4,8 +4,8 @@ The gateway exports, per worker, the blocks held for transfers (``pinned_blocks`
 requests holding them (``leases``) and the KV cache usage the worker reports. Many streaming
 requests are cancelled by their client at random moments (before the prefill, during it,
 between the prefill and the pull, during the pull, mid-stream); afterwards every worker's
-gauges drain to zero, no prefill worker had to wait for a lease to run out (every path frees
-the blocks at once), and the next request is still exact.
+gauges drain to zero, no prefill worker had to wait for a lease to run out (its own counter of
+expired leases: every path frees the blocks at once), and the next request is still exact.
 """
 
 from __future__ import annotations
@@ -31,12 +31,9 @@ from tests.e2e.test_kv_integrity import worker_flag
 from tests.helpers import served_name
 
 METRIC = "pdserve_gateway_worker_"
-CANCELLATIONS = 500  # the issue's number; fewer if BUDGET_S runs out first (reported)
-BUDGET_S = 150.0  # time for the cancellations on this machine (2 shared cores)
-MIN_CANCELLATIONS = 100  # fewer and the test means little: fail rather than pass
+CANCELLATIONS = 240  # however long they take on this machine
 CONCURRENCY = 8
 DRAIN_S = 180.0  # generous: the gauges travel by heartbeat and discovery
-LEASE_EXPIRED = "expired unpulled"  # the prefill transfer process's lease-expiry warning
 
 
 Gauges = dict[str, dict[tuple[str, str], float]]
@@ -68,10 +65,18 @@ async def until(
         await asyncio.sleep(0.5)
 
 
-def lease_expiries(cluster: RealCluster) -> int:
+def lease_expiries(g: Gauges) -> float:
+    """Hand-offs the prefill workers freed at the end of their lease (their own counter)."""
+    return sum(v for (role, _), v in g.get("kv_leases_expired", {}).items() if role == "prefill")
+
+
+async def cancelled_outcomes(http: httpx.AsyncClient, base_url: str) -> float:
+    """The gateway's count of requests that ended because their client went away."""
+    text = (await http.get(base_url + "/metrics", timeout=10)).text
     return sum(
-        p.read_text(errors="replace").count(LEASE_EXPIRED)
-        for p in cluster.log_dir.glob("prefill-*.log")
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_gateway_requests_total") and 'outcome="cancelled"' in line
     )
 
 
@@ -175,7 +180,7 @@ async def test_cancellations_at_random_points_leave_no_kv_blocks_behind(
     limits = httpx.Limits(max_keepalive_connections=0)  # each request its own connection
     async with httpx.AsyncClient(timeout=300, limits=limits) as http:
         baseline = await until(http, cluster.base_url, idle, DRAIN_S, "an idle cluster")
-        expiries = lease_expiries(cluster)
+        cancelled_before = await cancelled_outcomes(http, cluster.base_url)
         # the time to a first token of a fresh prompt, to spread the cancellations over
         started = time.monotonic()
         probe = {"model": served_name(), "prompt": random_prompt(rng, 400, 400),
@@ -185,12 +190,11 @@ async def test_cancellations_at_random_points_leave_no_kv_blocks_behind(
 
         outcomes: Counter[str] = Counter()
         peak: Counter[str] = Counter()
-        stop = time.monotonic() + BUDGET_S
         launched = 0
 
         async def worker() -> None:
             nonlocal launched
-            while launched < CANCELLATIONS and time.monotonic() < stop:
+            while launched < CANCELLATIONS:
                 launched += 1
                 outcomes[await cancelled_request(http, cluster.base_url, rng, ttft_s)] += 1
 
@@ -210,7 +214,12 @@ async def test_cancellations_at_random_points_leave_no_kv_blocks_behind(
             await watcher
         print(f"\n{launched} cancellations in {storm_s:.0f} s (first token {ttft_s:.2f} s): "
               f"{dict(outcomes)}; peak gauges {dict(peak)}")  # fmt: skip
-        assert launched >= MIN_CANCELLATIONS, (launched, dict(outcomes))
+        # The cancellations landed where they were meant to: at once, at a random moment
+        # around the first token, and mid-stream; the gateway saw every mid-stream client go
+        # away (one that left at once may be gone before the gateway read its request); and
+        # blocks were pinned for transfers meanwhile (so that draining means something).
+        assert all(outcomes[m] >= 10 for m in ("at_once", "timed", "mid_stream")), outcomes
+        assert peak["pinned_blocks"] >= 1 and peak["leases"] >= 1, peak
 
         drain_started = time.monotonic()
         final = await until(
@@ -221,8 +230,10 @@ async def test_cancellations_at_random_points_leave_no_kv_blocks_behind(
             for name in ("pinned_blocks", "leases", "kv_usage")
         }
         print(f"drained in {time.monotonic() - drain_started:.1f} s: {json.dumps(shown)}")
+        cancelled = await cancelled_outcomes(http, cluster.base_url) - cancelled_before
+        assert cancelled >= outcomes["mid_stream"], (cancelled, outcomes)
         # every cancellation path unpinned at once: no prefill worker waited for a lease
-        assert lease_expiries(cluster) == expiries
+        assert lease_expiries(final) == lease_expiries(baseline), (baseline, final)
 
     case = next(c for c in e2e_cases if c["name"] == "several_blocks")
     tokens, text, _ = await generate(cluster, case)

@@ -18,10 +18,12 @@ FLIP_AT = 10_000
 
 
 class FlipProxy:
-    """A TCP proxy to ``port`` that flips one byte of the first connection's answer stream."""
+    """A TCP proxy to ``port`` that flips one byte of the first connection's answer stream
+    (``cut``: that connection is closed there instead, in the middle of the blocks)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, cut: bool = False) -> None:
         self.port_to = port
+        self.cut = cut
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.flipped = threading.Event()
@@ -44,6 +46,10 @@ class FlipProxy:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
                 if answers and not self.flipped.is_set() and seen <= FLIP_AT < seen + len(data):
+                    self.flipped.set()
+                    if self.cut:
+                        dst.sendall(data[: FLIP_AT - seen])
+                        break
                     chunk = bytearray(data)
                     chunk[FLIP_AT - seen] ^= 0x01
                     data = bytes(chunk)
