@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from pdserve.telemetry import otlp_receiver
-from tests.e2e.cases import DTYPE, cases, tier_cases
+from tests.e2e.cases import DTYPE, cases, fill_cases, tier_cases
 from tests.helpers import model_dir
 
 STARTUP_TIMEOUT_S = 600
@@ -50,7 +50,7 @@ def reference(
     e2e_cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """Greedy outputs of one monolithic engine, computed before the cluster starts."""
-    everything = [*e2e_cases, *tier_cases()]
+    everything = [*e2e_cases, *tier_cases(), *fill_cases()]
     return run_reference("reference.py", everything, tmp_path_factory, STARTUP_TIMEOUT_S)
 
 

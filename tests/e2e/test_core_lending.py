@@ -4,7 +4,8 @@ prefill engine's cores while that has nothing to compute (pdserve.worker.core_le
 
 Requests sent together make the decode engine step both while the prefill engine computes
 prompts (its own core only) and after (the lent cores too); every output must still be
-token-identical to one monolithic engine, and the lending must show on ``/metrics``.
+token-identical to one monolithic engine, and the lending must show on ``/metrics``. The
+decode engine's KV cache is kept small (40 blocks), so that one test can fill it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from pdserve.bench import systems as bench_systems
 from pdserve.placement.engines import parse_cores
 from pdserve.worker.vllm_plugin import for_each_thread
+from tests.e2e.cases import DTYPE, FILL_PROMPT_TOKENS, fill_cases
 from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
 from tests.helpers import counted, metrics_text
@@ -29,7 +31,10 @@ from tests.helpers import counted, metrics_text
 pytestmark = pytest.mark.own_cluster
 
 T = TypeVar("T")
+DECODE_BLOCKS = 40
+MAX_MODEL_LEN = 4096  # the longest e2e case (about 3,000 tokens) and its answer fit
 LENT = "pdserve_gateway_worker_cpu_lent_steps_total"
+FALLBACKS = "pdserve_gateway_local_fallbacks_total"
 RECLAIMED = "pdserve_gateway_worker_cpu_lend_reclaims_total"
 
 
@@ -37,7 +42,13 @@ RECLAIMED = "pdserve_gateway_worker_cpu_lend_reclaims_total"
 def lending_cluster(
     reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RealCluster]:
-    yield from run_cluster(tmp_path_factory.mktemp("lending-logs"), 1, 1, [], {})
+    # A decode KV cache of 40 blocks (5,120 tokens): small enough for fill_cases to fill it.
+    small_cache = [
+        f"--prefill-engine-args=--dtype {DTYPE} --max-model-len {MAX_MODEL_LEN}",
+        f"--decode-engine-args=--dtype {DTYPE} --max-model-len {MAX_MODEL_LEN} "
+        f"--num-gpu-blocks-override {DECODE_BLOCKS}",
+    ]
+    yield from run_cluster(tmp_path_factory.mktemp("lending-logs"), 1, 1, small_cache, {})
 
 
 async def test_steps_on_lent_cores_stay_token_identical(
@@ -63,6 +74,53 @@ async def test_steps_on_lent_cores_stay_token_identical(
     assert "core lending: steps on cores" in decode_log
     prefill_log = (cluster.log_dir / "prefill-0.log").read_text()
     assert "lent while the engine is idle" in prefill_log
+
+
+async def test_a_full_decode_kv_cache_makes_requests_wait_not_fail(
+    lending_cluster: RealCluster, reference: dict[str, Any]
+) -> None:
+    """Six requests of 15-17 blocks each sent together to a decode worker whose cache holds 40:
+    the decode engine runs two at a time and the others wait for blocks, their hand-offs kept
+    pinned (and leased) on the prefill worker. Every request completes token-identical to a
+    monolithic engine with its KV pulled (the decode engine computed only the last prompt
+    token; no local fallback), and afterwards no block is pinned anywhere."""
+    cluster = lending_cluster
+    cases = fill_cases()
+    before = counted(await metrics_text(cluster.base_url), FALLBACKS)
+    peak: dict[str, float] = {"kv_usage": 0.0, "waiting": 0.0}
+
+    async def watch() -> None:
+        while True:
+            text = await metrics_text(cluster.base_url)
+            for name in peak:
+                series = f'pdserve_gateway_worker_{name}{{role="decode",'
+                peak[name] = max(peak[name], counted(text, series))
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        answers = await asyncio.gather(*(generate(cluster, case) for case in cases))
+    finally:
+        watcher.cancel()
+    for case, (tokens, text, final) in zip(cases, answers, strict=True):
+        assert tokens == reference[case["name"]]["token_ids"], (case["name"], text)
+        check_transfer(final, len(case["token_ids"]))
+    # The fault happened: the decode worker's cache was nearly full with requests waiting.
+    prompt_blocks = -(-(FILL_PROMPT_TOKENS + 1) // 128)  # with the first generated token
+    assert peak["kv_usage"] >= 2 * prompt_blocks / DECODE_BLOCKS - 0.01, peak
+    assert peak["waiting"] >= 1, peak
+    assert counted(await metrics_text(cluster.base_url), FALLBACKS) == before
+
+    async def pinned() -> float:
+        text = await metrics_text(cluster.base_url)
+        return counted(text, "pdserve_gateway_worker_pinned_blocks") + counted(
+            text, "pdserve_gateway_worker_leases"
+        )
+
+    deadline = time.monotonic() + 120  # the gauges travel by heartbeat (every 2 s)
+    while await pinned():
+        assert time.monotonic() < deadline, "blocks stayed pinned after every request ended"
+        await asyncio.sleep(1)
 
 
 def test_the_engines_give_way_to_the_workers_and_the_gateway(
