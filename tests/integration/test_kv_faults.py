@@ -18,10 +18,7 @@ def test_a_connection_dropped_mid_pull_fails_that_pull_only(tmp_path: Path) -> N
     proxy = FlipProxy(agents.producer.port, cut=True)
     try:
         agents.serve("r1", [1, 2])
-        agents.consumer.channel.send(
-            {"op": "pull", "req": "r1", "host": "127.0.0.1", "port": proxy.port,
-             "remote_req": "r1", "remote_blocks": [1, 2], "local_blocks": [3, 4]}
-        )  # fmt: skip
+        agents.pull("r1", [1, 2], [3, 4], port=proxy.port)
         done = next_message(agents.consumer)
         assert proxy.flipped.is_set(), "the connection was not cut"
         assert done["op"] == "done" and done["req"] == "r1" and not done["ok"], done

@@ -73,10 +73,7 @@ def test_a_flipped_byte_fails_the_pull_and_a_clean_path_is_exact(
     proxy = FlipProxy(agents.producer.port)
     try:
         agents.serve("r1", [1, 2])
-        agents.consumer.channel.send(
-            {"op": "pull", "req": "r1", "host": "127.0.0.1", "port": proxy.port,
-             "remote_req": "r1", "remote_blocks": [1, 2], "local_blocks": [3, 4]}
-        )  # fmt: skip
+        agents.pull("r1", [1, 2], [3, 4], port=proxy.port)
         done = next_message(agents.consumer)
         assert proxy.flipped.is_set()
         assert not done["ok"] and "do not match the MAC" in done["error"], done

@@ -20,6 +20,7 @@ import pytest
 from kv_transfer import bench
 from kv_transfer.handle import AgentHandle
 from tests.helpers import wait_pinned
+from tests.integration import test_kv_security as security
 
 GEO = bench.Geometry(blocks=4, block_bytes=4096)
 CONNECT_S = 2.0  # the consumer's connect_timeout_s here
@@ -115,13 +116,8 @@ class Stand:
 
 
 def next_message(agent: AgentHandle, timeout_s: float = 10.0) -> dict[str, Any]:
-    agent.channel.sock.settimeout(timeout_s)
-    try:
-        message = agent.channel.recv()
-    finally:
-        agent.channel.sock.settimeout(None)
-    assert message is not None, "agent closed its control channel"
-    return message
+    """The agent's next report, within 10 s unless told otherwise."""
+    return security.next_message(agent, timeout_s)
 
 
 def assert_silent(agent: AgentHandle, seconds: float) -> None:

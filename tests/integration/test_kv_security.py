@@ -53,13 +53,14 @@ class Agents:
     def serve(self, req: str, blocks: list[int]) -> None:
         self.producer.channel.send({"op": "serve", "req": req, "blocks": blocks})
 
-    def pull(self, req: str, remote: list[int], local: list[int]) -> None:
+    def pull(self, req: str, remote: list[int], local: list[int], port: int = 0) -> None:
+        """Pull ``remote`` into ``local``, from the producer or through ``port`` (a proxy)."""
         self.consumer.channel.send(
             {
                 "op": "pull",
                 "req": req,
                 "host": "127.0.0.1",
-                "port": self.producer.port,
+                "port": port or self.producer.port,
                 "remote_req": req,
                 "remote_blocks": remote,
                 "local_blocks": local,
