@@ -120,13 +120,17 @@ def redacted(url: str) -> str:
 
 
 def server_command(
-    port: int, maxmemory_bytes: int | None = None, acl_file: Path | None = None
+    port: int,
+    maxmemory_bytes: int | None = None,
+    acl_file: Path | None = None,
+    cluster: list[str] | None = None,
 ) -> list[str]:
     """The command line of a private server on ``port``; raises ``RedisServerError``.
 
     Without ``maxmemory_bytes`` the server never evicts (what the prefix index and registry
     need); with it, it evicts the least recently used keys beyond that size (a cache, such as
-    the KV tier's chunks). With ``acl_file`` (``write_acl``) it admits whom that file says."""
+    the KV tier's chunks). With ``acl_file`` (``write_acl``) it admits whom that file says.
+    ``cluster``: the options of a Redis Cluster node (``RedisServer.cluster_options``)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError(
@@ -137,7 +141,8 @@ def server_command(
         "--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
     acl = [] if acl_file is None else ["--aclfile", str(acl_file)]
     return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--protected-mode", "yes", *limit, *acl]  # fmt: skip
+            "--appendonly", "no", "--protected-mode", "yes", *limit, *acl,
+            *(cluster or [])]  # fmt: skip
 
 
 def answers(port: int, password: str | None = None) -> bool:
@@ -175,7 +180,10 @@ def server_pid(port: int, password: str | None = None) -> int | None:
 
 class RedisServer:
     """A private server; with ``password``, one that admits ``USER`` with it (``url`` logs in);
-    with ``maxmemory_bytes``, one that evicts (see ``server_command``)."""
+    with ``maxmemory_bytes``, one that evicts (see ``server_command``); with ``cluster_dir``,
+    a Redis Cluster node keeping its cluster state there (``pdserve.cluster.redis_cluster``
+    joins nodes into a cluster), whose cluster bus port (``bus_port``) is chosen with its port.
+    """
 
     def __init__(
         self,
@@ -183,8 +191,13 @@ class RedisServer:
         log_file: Path | None = None,
         password: str | None = None,
         maxmemory_bytes: int | None = None,
+        cluster_dir: Path | None = None,
+        cluster_node_timeout_ms: int = 1000,
     ) -> None:
-        self.port = port or free_port()
+        self.cluster_dir = cluster_dir
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
+        self.bus_port = 0
+        self.port = port or self._choose_ports()
         self._any_port = port == 0  # until it first starts: then clients know the port
         self.log_file = log_file
         self.password = password
@@ -196,6 +209,24 @@ class RedisServer:
     def url(self) -> str:
         url = f"redis://127.0.0.1:{self.port}/0"
         return url if self.password is None else with_credentials(url, self.password)
+
+    def _choose_ports(self) -> int:
+        """A fresh port (and, for a cluster node, a fresh bus port: by default Redis takes
+        port + 10000, which may lie in the ephemeral range, so it is chosen too)."""
+        if self.cluster_dir is None:
+            return free_port()
+        port, self.bus_port = free_ports(2)
+        return port
+
+    def cluster_options(self) -> list[str] | None:
+        if self.cluster_dir is None:
+            return None
+        state = self.cluster_dir / f"nodes-{self.port}.conf"
+        # --dir: a replica writes the snapshot it syncs from its master to its directory.
+        return ["--dir", str(self.cluster_dir),
+                "--cluster-enabled", "yes", "--cluster-port", str(self.bus_port),
+                "--cluster-node-timeout", str(self.cluster_node_timeout_ms),
+                "--cluster-config-file", str(state)]  # fmt: skip
 
     def _acl_file(self) -> Path | None:
         if self.password is None:
@@ -212,12 +243,14 @@ class RedisServer:
                 self._any_port = False
                 return self
             if self._any_port:
-                self.port = free_port()  # ours was taken meanwhile: another one
+                self.port = self._choose_ports()  # ours was taken meanwhile: another one
         raise RedisServerError(f"redis-server did not start on port {self.port}")
 
     def _launch(self) -> bool:
         """True once this process answers; False (and stopped) if it exited or timed out."""
-        args = server_command(self.port, self.maxmemory_bytes, self._acl_file())
+        args = server_command(
+            self.port, self.maxmemory_bytes, self._acl_file(), self.cluster_options()
+        )
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.process = process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                                   start_new_session=True)  # fmt: skip
@@ -230,6 +263,13 @@ class RedisServer:
                 return False
             time.sleep(0.05)
         return True
+
+    def kill(self) -> None:
+        """End the server at once (SIGKILL), as a crash would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
 
     def stop(self) -> None:
         if self._acl_dir is not None:

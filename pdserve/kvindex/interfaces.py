@@ -25,16 +25,26 @@ class BlockOps:
 
 
 class PrefixIndex(Protocol):
-    async def apply(self, model: str, worker: str, ops: Sequence[BlockOps]) -> None:
-        """Apply the changes atomically: block -> workers and the worker's reverse index."""
+    """Writes carry the writer's ``epoch`` (its worker life, ``pdserve.kvindex.epochs``; ""
+    for an unfenced holder such as a shared KV tier) and return whether they went through:
+    False means the fence dropped them (another life of the holder owns its entries)."""
 
-    async def clear_worker(self, model: str, worker: str) -> None:
-        """Forget every block of ``worker`` (restart with a new epoch, death, rebuild)."""
+    async def apply(
+        self, model: str, worker: str, ops: Sequence[BlockOps], epoch: str = ""
+    ) -> bool:
+        """Apply the changes to the worker's set atomically, if ``epoch`` is its fence."""
 
-    async def replace_worker(self, model: str, worker: str, hashes: Sequence[int]) -> None:
-        """Make ``hashes`` exactly the blocks of ``worker`` (the worker's own copy, after the
-        index lost it). A reader sees the old set or a growing part of the new one, never a
-        block the worker does not hold."""
+    async def clear_worker(self, model: str, worker: str, epoch: str = "") -> bool:
+        """Forget every block of ``worker`` and its fence (clean stop, a tier past its
+        bound), unless a newer life than ``epoch`` owns them."""
+
+    async def replace_worker(
+        self, model: str, worker: str, hashes: Sequence[int], epoch: str = ""
+    ) -> bool:
+        """Make ``hashes`` exactly the blocks of ``worker`` and ``epoch`` its fence (the
+        worker's own copy, at its start or after the index lost it), unless a newer life owns
+        them. A reader sees the old set or a growing part of the new one, never a block the
+        worker does not hold."""
 
     async def worker_block_count(self, model: str, worker: str) -> int:
         """How many blocks the index holds for ``worker``."""

@@ -1,23 +1,51 @@
 """The Redis key layout, in one place.
 
-``{p}`` is the deployment prefix (default ``pdserve``), ``{ns}`` the model namespace (the
-served model name), so several models can share one Redis.
+``{p}`` is the deployment prefix (default ``pdserve``), ``{m}`` the served model name, so
+several models can share one Redis. Text in braces inside a key name is a Redis Cluster hash
+tag: keys with the same tag live in the same slot, so one script may use them all.
 
-- ``{p}:workers``                  HASH worker id -> WorkerRecord JSON (registry)
-- ``{p}:alive:{worker}``           STRING epoch, with a TTL refreshed by the heartbeat
-- ``{p}:registry``                 STRING the registry's epoch (new after Redis lost its data)
-- ``{p}:{ns}:b:{hash}``            SET of worker ids holding the block with that hash
-- ``{p}:{ns}:w:{worker}``          SET of block hashes the worker holds (reverse index)
+Registry (one tag, ``{p}``: the reap script reads a record and its heartbeat together):
+
+- ``{p}:workers``                      HASH worker id -> WorkerRecord JSON
+- ``{p}:alive:{worker}``               STRING epoch, with a TTL refreshed by the heartbeat
+- ``{p}:registry``                     STRING the registry's epoch (new after Redis lost its data)
+
+Gateways (``gateway.shared_load``):
+
+- ``{p}:inflight``                     HASH gateway id -> JSON of its requests in flight per
+                                       worker, rewritten every ``load_share_interval_s``
+
+Prefix index (one tag per group of holders, ``{p:m:gK}``, ``K = crc32(holder) % GROUPS``):
+
+- ``{p:m:gK}:h:{holder}``              SET of the block hashes the holder holds, each the
+                                       8-byte big-endian hash (not its decimal text: smaller)
+- ``{p:m:gK}:f:{holder}``              STRING the holder's fence: the epoch of the worker life
+                                       that owns the set (``pdserve.kvindex.epochs``)
+
+There is no key per block: a lookup asks each candidate holder's set whether it holds the
+prompt's leading hashes, one script per group (the group's sets are its KEYS), all groups in
+one pipeline. A holder's set and fence share a slot, so a fenced write is one atomic script;
+a model's index spreads over up to ``GROUPS`` slots (and so over a cluster's masters).
 
 A shared KV tier (LMCache) is a holder like a worker, with the id ``tier:<identity>`` (e.g.
-``tier:redis:10.0.0.5:6379/1``, the identity its workers report) in both sets. The gateways
-write its entries (``gateway.routing.kv_tier``), not the workers; it is in no registry, so no
+``tier:redis:10.0.0.5:6379/1``, the identity its workers report). The gateways write its
+entries (``gateway.routing.kv_tier``), unfenced, not the workers; it is in no registry, so no
 gateway reaps it.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+
+# Hash-tag groups per model: a lookup is one script call per group that has candidates, and
+# a model's index spreads over this many cluster slots at most.
+GROUPS = 16
+
+
+def group_of(holder: str) -> int:
+    """The group of ``holder``: stable across processes and versions (not Python's hash)."""
+    return zlib.crc32(holder.encode()) % GROUPS
 
 
 @dataclass(frozen=True)
@@ -26,19 +54,26 @@ class Keys:
 
     @property
     def workers(self) -> str:
-        return f"{self.prefix}:workers"
+        return f"{{{self.prefix}}}:workers"
 
     @property
     def registry(self) -> str:
-        return f"{self.prefix}:registry"
+        return f"{{{self.prefix}}}:registry"
+
+    @property
+    def inflight(self) -> str:
+        return f"{{{self.prefix}}}:inflight"
 
     def alive(self, worker: str) -> str:
-        return f"{self.prefix}:alive:{worker}"
+        return f"{{{self.prefix}}}:alive:{worker}"
 
-    def namespace(self, model: str) -> str:
-        """Key prefix of one model's block index (block and reverse keys hang off it)."""
-        return f"{self.prefix}:{model}"
+    def group_tag(self, model: str, group: int) -> str:
+        return f"{{{self.prefix}:{model}:g{group}}}"
 
-    def worker_blocks(self, model: str, worker: str) -> str:
-        """The reverse index of one worker: the hashes of the blocks it holds."""
-        return f"{self.namespace(model)}:w:{worker}"
+    def holder_blocks(self, model: str, holder: str) -> str:
+        """The set of the hashes of the blocks ``holder`` holds."""
+        return f"{self.group_tag(model, group_of(holder))}:h:{holder}"
+
+    def fence(self, model: str, holder: str) -> str:
+        """The epoch of the life that owns ``holder_blocks`` (same slot)."""
+        return f"{self.group_tag(model, group_of(holder))}:f:{holder}"

@@ -7,31 +7,52 @@ import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 
+from pdserve.kvindex.epochs import may_claim, may_write
 from pdserve.kvindex.interfaces import BlockOps, WorkerRecord
 
 
 class MemoryIndex:
-    def __init__(self) -> None:
-        self.blocks: dict[tuple[str, int], set[str]] = defaultdict(set)
-        self.by_worker: dict[tuple[str, str], set[int]] = defaultdict(set)
+    """The same layout and fence rule as ``redis_store`` (``pdserve.kvindex.epochs``)."""
 
-    async def apply(self, model: str, worker: str, ops: Sequence[BlockOps]) -> None:
+    def __init__(self) -> None:
+        self.by_worker: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.fences: dict[tuple[str, str], str] = {}
+
+    def _fence(self, model: str, holder: str) -> str:
+        return self.fences.get((model, holder), "")
+
+    async def apply(
+        self, model: str, worker: str, ops: Sequence[BlockOps], epoch: str = ""
+    ) -> bool:
+        if not may_write(epoch, self._fence(model, worker)):
+            return False
+        held = self.by_worker[(model, worker)]
         for op in ops:
             if op.cleared:
-                await self.clear_worker(model, worker)
-            for h in op.stored:
-                self.blocks[(model, h)].add(worker)
-                self.by_worker[(model, worker)].add(h)
-            for h in op.removed:
-                self.blocks[(model, h)].discard(worker)
-                self.by_worker[(model, worker)].discard(h)
+                held.clear()
+            held.update(op.stored)
+            held.difference_update(op.removed)
+        if not held:
+            del self.by_worker[(model, worker)]
+        return True
 
-    async def clear_worker(self, model: str, worker: str) -> None:
-        for h in self.by_worker.pop((model, worker), set()):
-            self.blocks[(model, h)].discard(worker)
+    async def clear_worker(self, model: str, worker: str, epoch: str = "") -> bool:
+        if not may_claim(epoch, self._fence(model, worker)):
+            return False
+        self.by_worker.pop((model, worker), None)
+        self.fences.pop((model, worker), None)
+        return True
 
-    async def replace_worker(self, model: str, worker: str, hashes: Sequence[int]) -> None:
-        await self.apply(model, worker, [BlockOps(cleared=True, stored=hashes)])
+    async def replace_worker(
+        self, model: str, worker: str, hashes: Sequence[int], epoch: str = ""
+    ) -> bool:
+        if not await self.clear_worker(model, worker, epoch):
+            return False
+        if epoch:
+            self.fences[(model, worker)] = epoch
+        if hashes:
+            self.by_worker[(model, worker)] = set(hashes)
+        return True
 
     async def worker_block_count(self, model: str, worker: str) -> int:
         return len(self.by_worker.get((model, worker), ()))
@@ -41,8 +62,9 @@ class MemoryIndex:
     ) -> dict[str, int]:
         counts = dict.fromkeys(workers, 0)
         for worker in workers:
+            held = self.by_worker.get((model, worker), set())
             for h in hashes:
-                if worker not in self.blocks.get((model, h), ()):
+                if h not in held:
                     break
                 counts[worker] += 1
         return counts

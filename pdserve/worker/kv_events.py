@@ -11,6 +11,11 @@ lost this worker's entries (a write failed: Redis was unreachable; or, checked e
 was flushed, or a gateway reaped the worker), the sink rewrites the worker's whole set from
 its copy, however old the blocks are (vLLM's replay buffer holds only recent steps).
 
+Every write carries this life's ``epoch`` and obeys the index's fence
+(``pdserve.kvindex.epochs``): a step the fence drops (a gateway reaped the entries, or a newer
+life of this worker took them over) makes the sink rewrite; a rewrite the fence drops means a
+newer life owns the entries, and this sink writes no more (``fenced``).
+
 Both sockets are ``ipc://`` paths in a private temporary directory, not loopback TCP ports:
 a port chosen as "free" here would be bound by the engine a minute later, after it loads,
 and anything else on the machine may take it in between. A path in a directory only this
@@ -116,11 +121,13 @@ class EventSink:
         worker: str,
         endpoints: EventEndpoints,
         max_blocks: int = 0,
+        epoch: str = "",
     ) -> None:
-        """``max_blocks``: the engine's KV block count (bounds the copy; 0: unbounded)."""
+        """``max_blocks``: the engine's KV block count (bounds the copy; 0: unbounded);
+        ``epoch``: this worker life's (its registry record's), carried by every write."""
         from vllm.distributed.kv_events import KVEventBatch
 
-        self.index, self.model, self.worker = index, model, worker
+        self.index, self.model, self.worker, self.epoch = index, model, worker, epoch
         self.publish, self.replay = endpoints.publish, endpoints.replay
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.context = zmq.asyncio.Context()
@@ -133,6 +140,8 @@ class EventSink:
         self.applied_steps = 0
         self.rewrites = 0
         self.malformed = 0  # frames skipped: not a step of vLLM's KV events
+        self.dropped_steps = 0  # steps the index's fence dropped
+        self.fenced = False  # a newer life of this worker owns its entries: write no more
 
     async def run(self) -> None:
         """Follow the engine until cancelled. Run again after a failure (the worker's link
@@ -149,7 +158,9 @@ class EventSink:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if self.dirty:
+                if self.fenced:
+                    pass  # the engine is still followed (its replay asked), not written
+                elif self.dirty:
                     await self._rewrite()
                 elif loop.time() >= self.next_check:
                     await self._check()
@@ -193,12 +204,17 @@ class EventSink:
             ops.append(BlockOps(removed=dropped))
         self.last_seq = seq
         self.applied_steps += 1
-        if self.dirty:
+        if self.dirty or self.fenced:
             return
         try:
-            await self.index.apply(self.model, self.worker, ops)
+            applied = await self.index.apply(self.model, self.worker, ops, self.epoch)
         except IndexUnavailable as exc:
             log.warning("prefix index unavailable (%s); will rewrite it when it is back", exc)
+            self.dirty = True
+            return
+        if not applied:
+            # Reaped (the fence is gone) or taken over by a newer life: the rewrite tells.
+            self.dropped_steps += 1
             self.dirty = True
 
     def _skip(self, what: str) -> None:
@@ -229,9 +245,20 @@ class EventSink:
     async def _rewrite(self) -> None:
         """Replace this worker's entries with the copy's whole set."""
         try:
-            await self.index.replace_worker(self.model, self.worker, self.mirror.hashes())
+            claimed = await self.index.replace_worker(
+                self.model, self.worker, self.mirror.hashes(), self.epoch
+            )
         except IndexUnavailable:
             await asyncio.sleep(1.0)
+            return
+        if not claimed:
+            self.fenced = True
+            log.warning(
+                "a newer life of %s owns its prefix index entries (epoch %s is older); this "
+                "one writes no more",
+                self.worker,
+                self.epoch,
+            )
             return
         self.dirty = False
         self.rewrites += 1

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdserve.kvindex.epochs import new_epoch
 from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.runtime.supervise import start_task
@@ -102,7 +102,7 @@ class IndexLink:
         self.load = load
         self.store = RedisStore(settings.redis_url, prefix=settings.redis_prefix)
         self.endpoints = EventEndpoints.private()
-        self.epoch = uuid.uuid4().hex
+        self.epoch = new_epoch()  # made later than the previous life's in start()
         self.tasks: list[asyncio.Task[None]] = []
         self.record: WorkerRecord | None = None
         self.sink: EventSink | None = None
@@ -112,6 +112,10 @@ class IndexLink:
 
     async def start(self, info: EngineInfo, grpc_port: int) -> None:
         s = self.settings
+        # Later than the previous life of this name even if its machine's clock was ahead:
+        # the index's fence orders lives by epoch (pdserve.kvindex.epochs).
+        with contextlib.suppress(IndexUnavailable):
+            self.epoch = new_epoch(after=await self.store.recorded_epoch(s.name))
         self.record = WorkerRecord(
             worker_id=s.name, role=s.role, address=f"{s.reachable_host}:{grpc_port}",
             epoch=self.epoch, model=info.served_model_name, block_size=info.block_size,
@@ -122,8 +126,9 @@ class IndexLink:
         with contextlib.suppress(IndexUnavailable):
             await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
         sink = EventSink(
-            self.store, info.served_model_name, s.name, self.endpoints, info.num_kv_blocks
-        )
+            self.store, info.served_model_name, s.name, self.endpoints, info.num_kv_blocks,
+            epoch=self.epoch,
+        )  # fmt: skip
         # Both restart after a failure (pdserve.runtime.supervise): the sink rewrites the
         # worker's whole set first, so a crash leaves no index frozen or stale.
         self.sink = sink
@@ -154,6 +159,6 @@ class IndexLink:
         if self.record is not None:
             with contextlib.suppress(IndexUnavailable):
                 await self.store.withdraw(self.settings.name)
-                await self.store.clear_worker(self.record.model, self.settings.name)
+                await self.store.clear_worker(self.record.model, self.settings.name, self.epoch)
         await self.store.close()
         self.endpoints.remove()

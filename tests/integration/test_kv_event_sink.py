@@ -10,9 +10,11 @@ from typing import Any, Literal
 import pytest
 
 from pdserve.cluster.redis_server import RedisServer
+from pdserve.kvindex.epochs import new_epoch
 from pdserve.kvindex.interfaces import BlockOps
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.runtime.tasks import cancel_and_wait
+from pdserve.worker import kv_events
 from pdserve.worker.block_mirror import BlockMirror
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
@@ -198,6 +200,34 @@ async def test_entries_reaped_by_a_gateway_are_written_again(store: RedisStore) 
         await until(_true_when(lambda: sink.rewrites == 2))
         assert await _count(store, [1, 2, 3], 3)
     engine.publisher.shutdown()
+
+
+async def test_an_older_life_stops_writing_once_a_newer_life_rewrote(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker restarted under the same name while its old life still publishes (a
+    zombie, or its last steps in flight): the old life's writes are dropped by the index's
+    fence, and its sink writes no more; the new life's entries stay exactly its own."""
+    # No periodic count check: only the fence can tell the old life that it lost the holder.
+    monkeypatch.setattr(kv_events, "CHECK_S", 3600.0)
+    old_epoch = new_epoch()
+    old_engine, new_engine = Engine(), Engine()
+    old = EventSink(store, M, W, old_engine.endpoints, epoch=old_epoch)
+    new = EventSink(store, M, W, new_engine.endpoints, epoch=new_epoch(after=old_epoch))
+    async with running(old):
+        old_engine.step(stored(1, 2, 3))
+        await until(lambda: _count(store, [1, 2, 3], 3))
+        async with running(new):
+            new_engine.step(stored(7))
+            await until(lambda: _count(store, [7], 1))
+            old_engine.step(stored(4), removed(7))  # the old life's late step
+            await until(_true_when(lambda: old.fenced and old.applied_steps == 2))
+            assert await store.worker_block_count(M, W) == 1
+            assert await _count(store, [7], 1)
+            new_engine.step(stored(8))
+            await until(lambda: _count(store, [7, 8], 2))
+    old_engine.publisher.shutdown()
+    new_engine.publisher.shutdown()
 
 
 def test_the_copy_follows_the_index_operations_and_stays_within_the_engine() -> None:

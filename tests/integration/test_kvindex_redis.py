@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
 from pdserve.cluster.redis_server import RedisServer
-from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
+from pdserve.kvindex.epochs import new_epoch
+from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, PrefixIndex, WorkerRecord
+from pdserve.kvindex.keys import GROUPS, group_of
 from pdserve.kvindex.memory import MemoryIndex
 from pdserve.kvindex.redis_store import RedisStore
+from tests.unit.test_kvindex_fence import CASES
 
 M = "model-a"
 
@@ -49,8 +52,27 @@ async def test_clearing_removes_exactly_one_workers_entries(store: RedisStore) -
     await store.apply(M, "p1", [BlockOps(cleared=True, stored=[5])])
     assert await store.longest_prefixes(M, [1], ["p1"]) == {"p1": 0}
     assert await store.longest_prefixes(M, [5], ["p1"]) == {"p1": 1}
-    keys = {k.decode() for k in await store.client.keys("pdserve:model-a:w:*")}
-    assert keys == {"pdserve:model-a:w:p1"}
+    keys = {k for k in await store.client.keys("*model-a*")}
+    assert keys == {store.keys.holder_blocks(M, "p1").encode()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+async def test_the_fence_rule_as_in_memory(
+    store: RedisStore, case: Callable[[PrefixIndex], Awaitable[None]]
+) -> None:
+    await case(store)
+
+
+async def test_a_holder_is_one_set_of_8_byte_hashes_in_its_groups_slot(store: RedisStore) -> None:
+    epoch = new_epoch()
+    await store.replace_worker(M, "p0", [1, 2**64 - 1], epoch)
+    blocks, fence = store.keys.holder_blocks(M, "p0"), store.keys.fence(M, "p0")
+    assert await store.client.smembers(blocks) == {(1).to_bytes(8, "big"), b"\xff" * 8}
+    assert await store.client.get(fence) == epoch.encode()
+    assert set(await store.client.keys("*")) == {blocks.encode(), fence.encode()}
+    tag = f"{{pdserve:{M}:g{group_of('p0')}}}"
+    assert blocks.startswith(tag) and fence.startswith(tag)  # one slot for a fenced write
+    assert len({group_of(f"worker-{i}") for i in range(256)}) == GROUPS
 
 
 async def test_matches_the_in_memory_index_on_a_random_history(store: RedisStore) -> None:
@@ -121,13 +143,14 @@ async def test_registry_heartbeats_expire_and_epochs_must_match(store: RedisStor
 async def test_dead_workers_are_reaped_with_exactly_their_entries(store: RedisStore) -> None:
     await store.announce(WorkerRecord("p0", "prefill", "a:1", "e0", M), ttl_s=0.2)
     await store.announce(WorkerRecord("p1", "prefill", "a:2", "e1", M), ttl_s=30)
-    await store.apply(M, "p0", [BlockOps(stored=[1, 2])])
-    await store.apply(M, "p1", [BlockOps(stored=[1])])
+    await store.replace_worker(M, "p0", [1, 2], "e0")
+    await store.replace_worker(M, "p1", [1], "e1")
     await asyncio.sleep(0.4)
     assert await store.reap_dead() == ["p0"]
     assert await store.longest_prefixes(M, [1, 2], ["p0", "p1"]) == {"p0": 0, "p1": 1}
     assert [r.worker_id for r in await store.alive_workers()] == ["p1"]
     assert await store.reap_dead() == []
+    assert await store.client.get(store.keys.fence(M, "p0")) is None  # nothing left of it
 
 
 async def test_a_worker_restarted_under_the_same_name_is_not_reaped(store: RedisStore) -> None:
@@ -135,12 +158,16 @@ async def test_a_worker_restarted_under_the_same_name_is_not_reaped(store: Redis
     await asyncio.sleep(0.4)
     records = await store._records()  # a gateway has read the dead record...
     await store.announce(WorkerRecord("p0", "prefill", "a:1", "new", M), ttl_s=30)
-    await store.apply(M, "p0", [BlockOps(stored=[7])])  # ...the new incarnation works...
+    await store.replace_worker(M, "p0", [7], "new")  # ...the new incarnation works...
     ((record, alive),) = records
     assert not alive
-    args = [store.keys.namespace(M), "p0", record.epoch, store.keys.workers, store.keys.alive("p0")]
-    assert await store._reap(args=args) == 0  # ...and the reap of the old one is a no-op
+    # ...and the reap of the old one is a no-op, in both of its slots
+    keys = [store.keys.holder_blocks(M, "p0"), store.keys.fence(M, "p0")]
+    assert await store._reap_index(keys=keys, args=[record.epoch]) == 0
+    keys = [store.keys.workers, store.keys.alive("p0")]
+    assert await store._reap_record(keys=keys, args=["p0", record.epoch]) == 0
     assert await store.longest_prefixes(M, [7], ["p0"]) == {"p0": 1}
+    assert [r.epoch for r in await store.alive_workers()] == ["new"]
 
 
 async def test_unreachable_redis_is_a_clear_error_and_recovers(redis_server: RedisServer) -> None:
