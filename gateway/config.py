@@ -129,6 +129,13 @@ class GatewaySettings(BaseSettings):
     discovery_interval_s: float = Field(
         default=2.0, gt=0, description="how often the worker registry is read"
     )
+    load_share_interval_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="with a redis_url: how often this gateway publishes its requests in flight "
+        "per worker to Redis and reads the other gateways', so that gateway replicas route on "
+        "each other's load (0: off, each gateway counts only its own)",
+    )
     hash_seed: int = Field(
         default=42, ge=0, le=4294967295, description="block-hash seed; must equal the workers'"
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -49,6 +49,7 @@ class Worker(Generic[C]):
     discovered: bool = False  # from the Redis registry (else from the static lists)
     refused: str = ""  # why the gateway will not route to it (its identity differs)
     in_flight: int = 0  # this gateway's requests on the worker now
+    peer_in_flight: int = 0  # the other gateways' requests on it (gateway.shared_load)
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
     pace: PrefillPace = field(default_factory=PrefillPace)  # prefill workers: queue and rate
     # Set while the worker is not routable: requests streaming from it move elsewhere at once.
@@ -83,11 +84,12 @@ class Worker(Generic[C]):
         return float(self.capabilities.load.kv_usage) if self.capabilities else 0.0
 
     def load(self) -> float:
-        """Requests on the worker: this gateway's in flight plus what the engine queues."""
+        """Requests on the worker: this gateway's in flight, the other gateways' in flight
+        (as they last published it: ``gateway.shared_load``) and what the engine queues."""
         queued = self.reported_load.get("waiting", 0.0)
         if not self.reported_load and self.capabilities is not None:
             queued = float(self.capabilities.load.waiting)
-        return self.in_flight + queued
+        return self.in_flight + self.peer_in_flight + queued
 
 
 PrefillWorker = Worker[PrefillClient]
@@ -375,6 +377,17 @@ class WorkerPool:
         """Workers reachable but not routed to, because their identity differs."""
         everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
         return [w for w in everyone if w.refused]
+
+    def local_in_flight(self) -> dict[str, int]:
+        """This gateway's requests in flight per worker id (workers with none left out)."""
+        everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        return {w.worker_id: w.in_flight for w in everyone if w.in_flight}
+
+    def set_peer_in_flight(self, totals: Mapping[str, int]) -> None:
+        """The other gateways' requests in flight per worker id (a worker not named: 0)."""
+        everyone: list[PrefillWorker | DecodeWorker] = [*self.prefill, *self.decode]
+        for worker in everyone:
+            worker.peer_in_flight = totals.get(worker.worker_id, 0)
 
     def healthy_prefill(self) -> list[PrefillWorker]:
         return [w for w in self.prefill if w.healthy]

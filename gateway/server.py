@@ -29,7 +29,9 @@ from gateway.pool import WorkerPool
 from gateway.routing import plugins  # noqa: F401  (registers the built-in pickers)
 from gateway.routing.registry import PickerContext, make_picker
 from gateway.service import GenerationService
+from gateway.shared_load import SharedLoad
 from gateway.worker_metrics import WorkerCollector
+from pdserve.kvindex.keys import Keys
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.rpc.server import GrpcServer
 from pdserve.runtime.supervise import exit_if_ended
@@ -97,6 +99,16 @@ class GatewayServer:
                 settings.redis_url, prefix=settings.redis_prefix, timeout_s=_REDIS_TIMEOUT_S
             )
             self.discovery = RegistryDiscovery(self.pool, self.store, settings.discovery_interval_s)
+        self.shared_load: SharedLoad | None = None
+        if self.store is not None and settings.load_share_interval_s > 0:
+            self.shared_load = SharedLoad(
+                self.store.client,
+                Keys(settings.redis_prefix).inflight,
+                settings.load_share_interval_s,
+                self.pool.local_in_flight,
+                self.pool.set_peer_in_flight,
+                registry=self.metrics.registry,
+            )
 
     def _build_service(self) -> GenerationService:
         model_dir = self.settings.model_dir()
@@ -137,6 +149,8 @@ class GatewayServer:
         if self.discovery is not None:
             # The registry's calls and the new workers' health checks, one after the other.
             await self.discovery.start(_REDIS_TIMEOUT_S * 2 + self.settings.control_timeout_s + 1.0)
+        if self.shared_load is not None:
+            self.shared_load.start()
         log.info(
             "gateway serving model %s: HTTP on %s:%d, gRPC on %s:%d",
             service.model_name,
@@ -195,6 +209,8 @@ class GatewayServer:
             await self.service.close()
         if self.discovery is not None:
             await self.discovery.close()
+        if self.shared_load is not None:
+            await self.shared_load.close()
         await self.pool.close()
         if self.store is not None:
             await self.store.close()

@@ -14,15 +14,18 @@ the two.
 The best decode worker is chosen first; if the part of the prompt it does not hold is at
 most ``disagg_min_uncached_tokens``, it computes the prompt itself (conditional
 disaggregation); otherwise the best compatible prefill worker computes it. Ties go round
-robin. With the index unreachable every prefix share is 0: routing by load only.
+robin, from a random start per gateway (``random_turns``). With the index unreachable every
+prefix share is 0: routing by load only. ``load`` counts the requests of every gateway replica
+(``gateway.shared_load``) plus what the engine queues (``Worker.load``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,6 +71,13 @@ class Lookup:
     feedback: TierFeedback | None = None
 
 
+def random_turns() -> Iterator[int]:
+    """Turns 0, 1, 2, ... from a random start: each gateway replica begins its tie-break
+    rotation at its own place, so replicas with the same view of the workers do not pick the
+    same one in lock step."""
+    return itertools.count(secrets.randbelow(1 << 16))
+
+
 @register("prefix")
 class PrefixPicker:
     name = "prefix"
@@ -82,7 +92,9 @@ class PrefixPicker:
             if context.index is None
             else TierIndex(context.index, context.metrics, context.settings.tier_index_max_blocks)
         )
-        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        # Ties go round robin from a random start: gateway replicas with the same view of
+        # the workers do not all pick the same one at once.
+        self._turns = {"prefill": random_turns(), "decode": random_turns()}
         self._index_down = False
 
     async def close(self) -> None:

@@ -24,8 +24,10 @@ from tests.deploy.support import (
 
 PROFILE_ARGS = [(), ("--profile", "gpu"), ("--profile", "observability")]
 EXAMPLE_ENV = COMPOSE_FILE.parent / ".env.example"
-MAIN_STACK = {"redis", "model-prepare", "prefill", "decode", "gateway"}
-GPU_STACK = {"model-prepare-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu"}
+MAIN_STACK = {"redis", "model-prepare", "prefill", "decode", "gateway", "gateway-2"}
+# The gateway replicas of each stack: the same service but for the host ports.
+GATEWAYS = {"gateway": "", "gateway-2": "", "gateway-gpu": "-gpu", "gateway-gpu-2": "-gpu"}
+GPU_STACK = {"model-prepare-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu", "gateway-gpu-2"}
 OBSERVABILITY = {"otel-collector", "jaeger", "prometheus", "grafana"}
 # Services that cannot have a Docker health check, and why.
 NO_HEALTHCHECK = {
@@ -96,7 +98,7 @@ def test_health_checks_and_startup_order() -> None:
                 wanted = "service_completed_successfully"
             if wanted:
                 assert cond["condition"] == wanted, (name, dep)
-    for gateway, suffix in (("gateway", ""), ("gateway-gpu", "-gpu")):
+    for gateway, suffix in GATEWAYS.items():
         deps = svc[gateway]["depends_on"]
         for dep in ("redis", f"prefill{suffix}", f"decode{suffix}"):
             assert deps[dep]["condition"] == "service_healthy", (gateway, dep)
@@ -142,7 +144,7 @@ def _container_port(port: Any) -> int:
 
 def test_gateways_point_at_their_workers() -> None:
     svc = services()
-    for gateway, suffix in (("gateway", ""), ("gateway-gpu", "-gpu")):
+    for gateway, suffix in GATEWAYS.items():
         env = _env(svc[gateway])
         assert env["PDSERVE_GATEWAY_HTTP_HOST"] == "0.0.0.0"
         prefill, decode = f"prefill{suffix}", f"decode{suffix}"
@@ -154,6 +156,31 @@ def test_gateways_point_at_their_workers() -> None:
         assert published == {default("gateway", "http_port"), default("gateway", "grpc_port")}
         assert env["PDSERVE_GATEWAY_HTTP_PORT"] == str(default("gateway", "http_port"))
         assert env["PDSERVE_GATEWAY_GRPC_PORT"] == str(default("gateway", "grpc_port"))
+
+
+def _host_port(port: Any) -> int:
+    """The host side of a ports entry ("127.0.0.1:8000:8000/tcp" or the long form)."""
+    if isinstance(port, dict):
+        return int(port["published"])
+    return int(str(port).rsplit(":", 2)[1])
+
+
+def test_two_gateway_replicas_share_their_load_by_default() -> None:
+    """docs/deploy.md, "Several gateways": the default stack runs two gateways, alike but for
+    their host ports, on one Redis, with load sharing on."""
+    svc = services()
+    for first, second in ((svc["gateway"], svc["gateway-2"]),
+                          (svc["gateway-gpu"], svc["gateway-gpu-2"])):  # fmt: skip
+        assert {k: v for k, v in first.items() if k != "ports"} == {
+            k: v for k, v in second.items() if k != "ports"
+        }
+        hosts = [{_host_port(p) for p in s["ports"]} for s in (first, second)]
+        assert len(hosts[0]) == len(hosts[1]) == 2 and not hosts[0] & hosts[1]
+        assert {_container_port(p) for p in second["ports"]} == {
+            _container_port(p) for p in first["ports"]
+        }
+        interval = float(_env(first)["PDSERVE_GATEWAY_LOAD_SHARE_INTERVAL_S"])
+        assert interval == default("gateway", "load_share_interval_s") > 0
 
 
 def test_cpu_workers_have_shared_memory_for_the_kv_cache() -> None:

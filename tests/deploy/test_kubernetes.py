@@ -261,10 +261,28 @@ def test_network_policies(path: str) -> None:
         assert not allowed(dc, pf, 40000)
 
 
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_two_gateway_replicas_and_an_autoscaler(path: str) -> None:
+    """Gateways are replicas that share their load (docs/deploy.md, "Several gateways"): two
+    by default, more by the HorizontalPodAutoscaler, on CPU utilisation."""
+    docs = kustomize(path)
+    assert objects(docs, "Deployment")["pdserve-gateway"]["spec"]["replicas"] == 2
+    hpa = objects(docs, "HorizontalPodAutoscaler")["pdserve-gateway"]["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "pdserve-gateway",
+    }
+    assert hpa["minReplicas"] == 2 < hpa["maxReplicas"]
+    (metric,) = hpa["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert 0 < metric["resource"]["target"]["averageUtilization"] <= 100
+
+
 def test_cpu_overlay_fits_one_box() -> None:
     docs = kustomize("overlays/cpu")
     deployments = objects(docs, "Deployment")
-    for name in ("pdserve-gateway", "pdserve-prefill", "pdserve-decode"):
+    for name in ("pdserve-prefill", "pdserve-decode"):
         assert deployments[name]["spec"]["replicas"] == 1
     for name in ("pdserve-prefill", "pdserve-decode"):
         assert deployments[name]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0

@@ -69,7 +69,7 @@ def test_dashboard_uses_the_provisioned_datasource_and_job() -> None:
     assert gateway["metrics_path"] == "/metrics"
     targets = gateway["static_configs"][0]["targets"]
     port = default("gateway", "http_port")
-    assert sorted(targets) == sorted([f"gateway:{port}", f"gateway-gpu:{port}"])
+    assert sorted(targets) == sorted([f"gateway{n}:{port}" for n in ("", "-2", "-gpu", "-gpu-2")])
     services = compose_config()["services"]
     assert all(t.split(":")[0] in services for t in targets)
 

@@ -83,7 +83,8 @@ async def test_new_prompts_spread_over_equal_prefill_workers() -> None:
     chooser = picker(MemoryIndex())
     chosen = [(await chooser.pick(request(40), workers, [StandIn("d", "decode")], always)).prefill
               for _ in range(4)]  # fmt: skip
-    assert [w.worker_id for w in chosen if w] == ["p0", "p1", "p0", "p1"]
+    # Round robin, from a random start (each gateway replica its own).
+    assert [w.worker_id for w in chosen if w] in (["p0", "p1"] * 2, ["p1", "p0"] * 2)
 
 
 async def test_conditional_disaggregation_uses_the_decode_workers_cache() -> None:
