@@ -281,7 +281,9 @@ class GenerationService:
         if not decode:
             raise NoWorkerAvailable("no healthy decode worker")
         route_request = RouteRequest(request.request_id, self.model_name, token_ids)
+        started = time.perf_counter()
         route = await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
+        self.metrics.route_seconds.observe(time.perf_counter() - started)
         path = "disaggregated" if route.prefill is not None else "local"
         self.metrics.decisions.labels(self.picker.name, path).inc()
         return route

@@ -56,10 +56,11 @@ KV_COMPAT = {"model": "fake", "dtype": "bfloat16", "block_size": "16", "kv_layou
 
 
 def capabilities(
-    role: int, max_model_len: int, kv_compat: dict[str, str]
+    role: int, max_model_len: int, kv_compat: dict[str, str], worker_id: str = ""
 ) -> worker_pb2.Capabilities:
+    """``worker_id``: its name in the registry and the prefix index (default ``fake-<role>``)."""
     return worker_pb2.Capabilities(
-        worker_id=f"fake-{worker_pb2.Role.Name(role).lower()}",
+        worker_id=worker_id or f"fake-{worker_pb2.Role.Name(role).lower()}",
         role=role,  # type: ignore[arg-type]
         model="fake-model",
         served_model_name=default_model_dir().name,  # what the test gateways serve
@@ -106,7 +107,9 @@ class Recorder(Generic[R]):
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
     """``serve_s`` > 0: prefills take that long each, one at a time (an engine's queue).
-    ``traced``: a server span per call, as a real worker's (see ``_span``)."""
+    ``traced``: a server span per call, as a real worker's (see ``_span``). ``cached_for``
+    says how many prompt tokens its cache serves (default: ``cached_tokens``, at most all but
+    the last); ``pdserve bench fleet`` gives each fake a cache of its own there."""
 
     def __init__(
         self,
@@ -116,6 +119,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         record: bool = True,
         serve_s: float = 0.0,
         traced: bool = False,
+        worker_id: str = "",
     ) -> None:
         self.traced = traced
         self.seen: Recorder[worker_pb2.PrefillRequest] = Recorder(keep=record)
@@ -123,7 +127,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.serve_s = serve_s
         self.queue = asyncio.Lock()
         self.fail_with: grpc.StatusCode | None = None
-        self.caps = capabilities(worker_pb2.ROLE_PREFILL, max_model_len, dict(KV_COMPAT))
+        self.caps = capabilities(worker_pb2.ROLE_PREFILL, max_model_len, dict(KV_COMPAT), worker_id)
         self.responses: list[worker_pb2.PrefillResponse] = []
 
     async def Prefill(self, request, context):  # type: ignore[no-untyped-def]
@@ -138,7 +142,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             async with self.queue:
                 await asyncio.sleep(self.serve_s)
         n = len(request.prompt_token_ids)
-        cached = min(self.cached_tokens, n - 1)
+        cached = await self.cached_for(request)
         params = worker_pb2.KvTransferParams(
             remote_engine_id="fake-prefill-engine",
             remote_request_id=f"engine-{request.request_id}",
@@ -159,6 +163,9 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         )
         self.responses.append(response)
         return response
+
+    async def cached_for(self, request: worker_pb2.PrefillRequest) -> int:
+        return min(self.cached_tokens, len(request.prompt_token_ids) - 1)
 
     async def Abort(self, request, context):  # type: ignore[no-untyped-def]
         return self.seen.abort(request)
@@ -192,6 +199,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         once: bool = False,
         cached_tokens: int = 0,
         traced: bool = False,
+        worker_id: str = "",
     ) -> None:
         self.traced = traced
         self.positional = positional
@@ -206,7 +214,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.fail_kv_transfer = False
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
-        self.caps = capabilities(worker_pb2.ROLE_DECODE, max_model_len, dict(KV_COMPAT))
+        self.caps = capabilities(worker_pb2.ROLE_DECODE, max_model_len, dict(KV_COMPAT), worker_id)
 
     def _final(self, request: worker_pb2.DecodeRequest, emitted: int) -> worker_pb2.DecodeChunk:
         n = len(request.prompt_token_ids)

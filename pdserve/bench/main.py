@@ -11,6 +11,8 @@
   ``--tracing compare``, what turning tracing on costs its throughput.
 - ``pdserve bench soak``: minutes of mixed load with periodic worker faults; failed requests,
   memory growth and p99 drift.
+- ``pdserve bench fleet``: N fake workers, M gateway replicas and one Redis at a fixed request
+  rate: routing time, Redis load and memory, stickiness of conversations, spread, against N.
 - ``pdserve bench gpu``: the GPU path end to end on one GPU (NIXL), greedy parity with
   ``vllm serve``, KV GB/s, then ``bench serve`` (needs an NVIDIA GPU; not run in CI).
 """
@@ -30,6 +32,7 @@ BENCHES = {
     "gateway": "pdserve.bench.gateway",
     "soak": "pdserve.bench.soak",
     "tier": "pdserve.bench.tier",
+    "fleet": "pdserve.bench.fleet",
     "gpu": "pdserve.bench.gpu",
 }
 
