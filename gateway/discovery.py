@@ -49,11 +49,14 @@ class RegistryDiscovery:
     async def sync(self) -> None:
         try:
             epoch = await self.registry.registry_epoch()
-            records = await self.registry.alive_workers()
             if isinstance(self.registry, RedisStore):
-                for worker in await self.registry.reap_dead():
+                view = await self.registry.registry_view()  # one read for both
+                records = [record for record, alive in view if alive]
+                for worker in await self.registry.reap_dead(view):
                     log.warning("worker %s missed its heartbeats; its index entries are gone",
                                 worker)  # fmt: skip
+            else:
+                records = await self.registry.alive_workers()
         except IndexUnavailable as exc:
             if not self._down:
                 log.warning("worker registry unreachable (%s); keeping the known workers", exc)

@@ -14,18 +14,19 @@ the two.
 The best decode worker is chosen first; if the part of the prompt it does not hold is at
 most ``disagg_min_uncached_tokens``, it computes the prompt itself (conditional
 disaggregation); otherwise the best compatible prefill worker computes it. Ties go round
-robin, from a random start per gateway (``random_turns``). With the index unreachable every
+robin, from a random start per gateway (``random_turn``); the rotation moves on after a tie,
+not after a later turn that sticks to its holder. With the index unreachable every
 prefix share is 0: routing by load only. ``load`` counts the requests of every gateway replica
 (``gateway.shared_load``) plus what the engine queues (``Worker.load``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,6 +42,9 @@ from pdserve.kvindex.interfaces import IndexUnavailable
 log = logging.getLogger(__name__)
 
 W = TypeVar("W", bound=Worker[Any])
+# Prompts up to this long are hashed on the event loop (about 0.1 ms for 1,000 tokens: less
+# than a round trip through gateway.offload's threads); longer ones in a thread.
+INLINE_HASH_TOKENS = 4096
 
 
 def cacheable_tokens(blocks: int, block_size: int, prompt_len: int) -> int:
@@ -71,11 +75,10 @@ class Lookup:
     feedback: TierFeedback | None = None
 
 
-def random_turns() -> Iterator[int]:
-    """Turns 0, 1, 2, ... from a random start: each gateway replica begins its tie-break
-    rotation at its own place, so replicas with the same view of the workers do not pick the
-    same one in lock step."""
-    return itertools.count(secrets.randbelow(1 << 16))
+def random_turn() -> int:
+    """Where a gateway replica starts its tie-break rotation: each at its own place, so
+    replicas with the same view of the workers do not pick the same one in lock step."""
+    return secrets.randbelow(1 << 16)
 
 
 @register("prefix")
@@ -94,7 +97,7 @@ class PrefixPicker:
         )
         # Ties go round robin from a random start: gateway replicas with the same view of
         # the workers do not all pick the same one at once.
-        self._turns = {"prefill": random_turns(), "decode": random_turns()}
+        self._turns = {"prefill": random_turn(), "decode": random_turn()}
         self._index_down = False
 
     async def close(self) -> None:
@@ -126,17 +129,29 @@ class PrefixPicker:
         return Route(p, chosen, predicted_cached_tokens=predicted, feedback=feedback)
 
     def _best(self, workers: Sequence[W], cached: dict[str, Cached], n: int) -> W:
-        top_load = max(w.load() for w in workers)
+        """The best-scoring worker; ties go to the first from this role's turn on. The turn
+        moves on only after a tie, so new prompts go round robin however many later turns
+        stick to their holders between them."""
         s = self.settings
-
-        def score(w: W) -> float:
-            share = cached.get(w.worker_id, Cached()).weighted(s.tier_hit_weight) / max(n, 1)
-            busy = w.load() / (1.0 + top_load)
-            return s.prefix_weight * share - s.load_weight * busy - s.kv_usage_weight * w.kv_usage()
-
-        start = next(self._turns[workers[0].role_name]) % len(workers)  # ties: round robin
-        rotated = [*workers[start:], *workers[:start]]
-        return max(rotated, key=score)
+        loads = [w.load() for w in workers]
+        scale = 1.0 + max(loads)
+        role = workers[0].role_name
+        turn, count = self._turns[role], len(workers)
+        best, best_score, tied = workers[0], -math.inf, 0
+        for k in range(count):
+            i = (turn + k) % count
+            w = workers[i]
+            held = cached.get(w.worker_id)
+            share = held.weighted(s.tier_hit_weight) / max(n, 1) if held is not None else 0.0
+            score = (s.prefix_weight * share - s.load_weight * loads[i] / scale
+                     - s.kv_usage_weight * w.kv_usage())  # fmt: skip
+            if score > best_score:
+                best, best_score, tied = w, score, 1
+            elif score == best_score:
+                tied += 1
+        if tied > 1:
+            self._turns[role] = turn + 1
+        return best
 
     async def _lookup(
         self, request: RouteRequest, workers: Sequence[PrefillWorker | DecodeWorker]
@@ -147,18 +162,20 @@ class PrefixPicker:
         if self.index is None or self.tiers is None or len(sizes) != 1 or not request.token_ids:
             return None
         block_size = sizes.pop()
-        hashes = await self.offload.run(
-            block_hashes, request.token_ids, block_size, self.settings.hash_seed
-        )
+        args = (request.token_ids, block_size, self.settings.hash_seed)
+        # A short prompt's hashes take less than handing them to a thread and back.
+        if len(request.token_ids) <= INLINE_HASH_TOKENS:
+            hashes = block_hashes(*args)
+        else:
+            hashes = await self.offload.run(block_hashes, *args)
         if not hashes:
             return Lookup({})
-        tiers = {w.worker_id: t for w in workers if (t := tier_of(w, block_size))}
+        ids = [w.worker_id for w in workers]
+        tiers = {i: t for i, w in zip(ids, workers, strict=True) if (t := tier_of(w, block_size))}
         holders = sorted({t.holder for t in tiers.values()})
         started = time.monotonic()
         try:
-            blocks = await self.index.longest_prefixes(
-                request.model, hashes, [*(w.worker_id for w in workers), *holders]
-            )
+            blocks = await self.index.longest_prefixes(request.model, hashes, [*ids, *holders])
         except IndexUnavailable as exc:
             self.metrics.index_errors.inc()
             if not self._index_down:
@@ -168,13 +185,16 @@ class PrefixPicker:
         self._index_down = False
         self.metrics.index_lookup_seconds.observe(time.monotonic() - started)
         n = len(request.token_ids)
-        cached = {}
-        for w in workers:
-            tier = tiers.get(w.worker_id)
-            cached[w.worker_id] = Cached(
-                cacheable_tokens(blocks.get(w.worker_id, 0), block_size, n),
-                tier_tokens(blocks.get(tier.holder, 0), block_size, tier.chunk, n) if tier else 0,
-            )
+        cached = {}  # only workers that hold something: the rest hold nothing (Cached())
+        for worker_id in ids:
+            tier = tiers.get(worker_id)
+            own = blocks.get(worker_id, 0)
+            from_tier = blocks.get(tier.holder, 0) if tier else 0
+            if own or from_tier:
+                cached[worker_id] = Cached(
+                    cacheable_tokens(own, block_size, n),
+                    tier_tokens(from_tier, block_size, tier.chunk, n) if tier else 0,
+                )
         if not holders:
             return Lookup(cached)
         held = {h: blocks.get(h, 0) for h in holders}

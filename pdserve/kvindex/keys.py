@@ -35,6 +35,7 @@ gateway reaps it.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -72,8 +73,14 @@ class Keys:
 
     def holder_blocks(self, model: str, holder: str) -> str:
         """The set of the hashes of the blocks ``holder`` holds."""
-        return f"{self.group_tag(model, group_of(holder))}:h:{holder}"
+        return _holder_blocks(self.prefix, model, holder)
 
     def fence(self, model: str, holder: str) -> str:
         """The epoch of the life that owns ``holder_blocks`` (same slot)."""
         return f"{self.group_tag(model, group_of(holder))}:f:{holder}"
+
+
+@functools.lru_cache(maxsize=65536)
+def _holder_blocks(prefix: str, model: str, holder: str) -> str:
+    # Cached: a lookup names every candidate worker's set, for every request.
+    return f"{{{prefix}:{model}:g{group_of(holder)}}}:h:{holder}"

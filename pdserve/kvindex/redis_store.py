@@ -9,6 +9,7 @@ reconnects (and, on a cluster, relearns the slots) by itself on a later call.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,9 @@ from redis.exceptions import NoScriptError
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
 from pdserve.kvindex.keys import Keys, group_of
 from pdserve.kvindex.redis_client import UNAVAILABLE_ERRORS, is_cluster_url, make_client
+
+# Worker records parsed between two turns of the event loop (a registry of hundreds).
+PARSE_STEP = 32
 
 # Redis's Lua compares strings with strcoll() in the server's locale; epochs are compared
 # byte by byte, as Python does (``epochs.may_claim``).
@@ -293,7 +297,11 @@ class RedisStore:
     async def _records(self) -> list[tuple[WorkerRecord, bool]]:
         """Every registered worker and whether its heartbeat (of that epoch) is current."""
         raw = await self._call(self.client.hgetall(self.keys.workers))
-        records = [WorkerRecord.from_json(v) for v in raw.values()]
+        records = []
+        for i, value in enumerate(raw.values()):
+            records.append(WorkerRecord.from_json(value))
+            if i % PARSE_STEP == PARSE_STEP - 1:
+                await asyncio.sleep(0)  # hundreds of records: let requests run in between
         if not records:
             return []
         epochs = await self._call(self.client.mget([self.keys.alive(r.worker_id) for r in records]))
@@ -305,19 +313,25 @@ class RedisStore:
     async def alive_workers(self) -> list[WorkerRecord]:
         return [record for record, alive in await self._records() if alive]
 
+    async def registry_view(self) -> list[tuple[WorkerRecord, bool]]:
+        """Every registered worker and whether it is alive: one read for both
+        ``alive_workers`` and ``reap_dead``."""
+        return await self._records()
+
     async def registry_epoch(self) -> str:
         keys = [self.keys.registry]
         epoch = await self._call(self._registry_epoch(keys=keys, args=[uuid.uuid4().hex]))
         return str(epoch.decode())
 
-    async def reap_dead(self) -> list[str]:
+    async def reap_dead(self, view: list[tuple[WorkerRecord, bool]] | None = None) -> list[str]:
         """Forget workers whose heartbeat expired: their index entries (if still of the dead
         life), then their record (if still of it and not alive again).
 
         Safe to run from every gateway at once; a worker that comes back re-announces
-        itself and rewrites its entries (``pdserve.worker.kv_events``)."""
+        itself and rewrites its entries (``pdserve.worker.kv_events``). ``view``: a
+        ``registry_view`` just read (else it is read here)."""
         reaped = []
-        for record, alive in await self._records():
+        for record, alive in view if view is not None else await self._records():
             if alive:
                 continue
             keys = self._holder(record.model, record.worker_id)

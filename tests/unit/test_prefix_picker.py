@@ -87,6 +87,24 @@ async def test_new_prompts_spread_over_equal_prefill_workers() -> None:
     assert [w.worker_id for w in chosen if w] in (["p0", "p1"] * 2, ["p1", "p0"] * 2)
 
 
+async def test_a_later_turn_that_sticks_to_its_holder_does_not_turn_the_rotation() -> None:
+    """New prompts go round robin however many sticky turns come between them (with every
+    decision turning it, new conversations land at random: bench fleet's spread 1.71)."""
+    index = MemoryIndex()
+    held = [1000 + t for t in range(100)]
+    await index.apply("m", "p2", [BlockOps(stored=block_hashes(held, BS, seed=42))])
+    workers = [StandIn(f"p{i}", "prefill") for i in range(4)]
+    chooser = picker(index)
+    chooser._turns["prefill"] = 0
+    sticky = RouteRequest("r", "m", held)
+    order = []
+    for prompt in (request(40), sticky, request(41), sticky, sticky, request(42)):
+        route = await chooser.pick(prompt, workers, [StandIn("d", "decode")], always)
+        assert route.prefill is not None
+        order.append(route.prefill.worker_id)
+    assert order == ["p0", "p2", "p1", "p2", "p2", "p2"]
+
+
 async def test_conditional_disaggregation_uses_the_decode_workers_cache() -> None:
     index = MemoryIndex()
     hashes = block_hashes(list(range(100)), BS, seed=42)
