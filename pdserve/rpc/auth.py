@@ -23,6 +23,13 @@ What is guaranteed:
   and under three waves of 512 concurrent unauthenticated 256 KiB ones.
 * A token never contains the secret; a recorded token is good only for the same RPC within
   the skew window and, when bound, only at the worker it names.
+* A token is good only with the request body it was made for: every call also carries
+  ``x-pdserve-body: <HMAC>`` over the token and the SHA-256 of the serialized request
+  (``body_mac``). The token is checked before the body is read (above); the body's HMAC
+  once grpc has received it, before it is deserialized or reaches a servicer, so a recorded
+  token and body HMAC cannot carry another body (tests/integration/test_worker_auth.py
+  ``test_a_recorded_token_does_not_carry_another_body``). Every RPC of the worker services
+  has a unary request; a request-streaming one would not be bound.
 * Binding is negotiated: a server given a ``worker_id`` sends it in the trailing metadata
   (``WORKER_METADATA``) of every authenticated GetCapabilities reply, and a client
   (``pdserve.rpc.client.GrpcClient``) binds its later tokens to the id in its last
@@ -34,9 +41,9 @@ What is guaranteed:
 
 What is not:
 
-* No digest of the request body: it could only be checked after reading the body, which is
-  what the refusal avoids. Within the window a recorded token authenticates any body for its
-  RPC (and worker). Use TLS on untrusted networks (docs/deploy.md).
+* Replay of the same call: within the window a recorded token with its body HMAC repeats
+  the same request (to the same worker, when bound). Use TLS on untrusted networks
+  (docs/deploy.md).
 * Not the ``:authority`` the client dialled: a server interceptor does not see it (its
   ``HandlerCallDetails`` carry the method and the call's metadata only), and a worker cannot
   tell whether a claimed authority (a Kubernetes Service's name, a proxy's) is one of its own
@@ -45,6 +52,7 @@ What is not:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import time
@@ -58,6 +66,8 @@ from kv_transfer.auth import mac, same
 log = logging.getLogger(__name__)
 
 AUTH_METADATA = "x-pdserve-auth"
+# The HMAC binding a call's token to its serialized request body (``body_mac``).
+BODY_METADATA = "x-pdserve-body"
 MAX_SKEW_S = 120
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # The RPC whose reply tells a client which worker answers: its tokens are never bound, so
@@ -81,6 +91,19 @@ def token(secret: bytes, rpc: str, now: float | None = None, worker_id: str = ""
     if bindable(worker_id):
         return f"{stamp}.{mac(secret, 'grpc', rpc, stamp, worker_id)}.{worker_id}"
     return f"{stamp}.{mac(secret, 'grpc', rpc, stamp)}"
+
+
+def body_mac(secret: bytes, token_value: str, body: bytes) -> str:
+    """The ``BODY_METADATA`` value of a call: HMAC over its token and its body's SHA-256."""
+    return mac(secret, "grpc-body", token_value, hashlib.sha256(body).hexdigest())
+
+
+def call_metadata(
+    secret: bytes, rpc: str, body: bytes, worker_id: str = ""
+) -> tuple[tuple[str, str], ...]:
+    """Both auth entries of a call of ``rpc`` with the serialized request ``body``."""
+    value = token(secret, rpc, worker_id=worker_id)
+    return ((AUTH_METADATA, value), (BODY_METADATA, body_mac(secret, value, body)))
 
 
 def target(value: str) -> str:
@@ -134,7 +157,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         value = metadata.get(AUTH_METADATA)
         value = value if isinstance(value, str) else None
         if valid(self.secret, rpc_name(method), value, worker_id=self.worker_id):
-            handler = await continuation(details)
+            body = metadata.get(BODY_METADATA)
+            expected = body if isinstance(body, str) else ""
+            handler = _body_bound(await continuation(details), self.secret, str(value), expected)
             if rpc_name(method) == IDENTITY_RPC and bindable(self.worker_id):
                 return _announcing(handler, self.worker_id)
             return handler
@@ -148,6 +173,45 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return _refusal(handler, _ELSEWHERE)
         log.warning("refused an unauthenticated call of %s", method)
         return _refusal(handler, _REFUSED)
+
+
+def _body_bound(
+    handler: grpc.RpcMethodHandler | None, secret: bytes, token_value: str, expected: str
+) -> Any:
+    """``handler`` (unary request) that first checks the received bytes against the call's
+    ``BODY_METADATA`` and refuses them, undeserialized, when they do not match."""
+    if handler is None or handler.request_streaming:
+        return handler
+    deserialize = handler.request_deserializer
+    streaming = handler.response_streaming
+    behavior = handler.unary_stream if streaming else handler.unary_unary
+
+    async def checked(body: bytes, context: grpc.aio.ServicerContext) -> Any:
+        if not same(expected, body_mac(secret, token_value, body)):
+            log.warning("refused a call whose body does not match its token")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _OTHER_BODY)
+        return deserialize(body) if deserialize is not None else body
+
+    async def unary(body: bytes, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(await checked(body, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    async def stream(body: bytes, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(await checked(body, context), context)
+        if inspect.isawaitable(result):  # a servicer that writes with context.write
+            await result
+            return
+        async for message in result:
+            yield message
+
+    make = (
+        grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+    )
+    return make(
+        stream if streaming else unary,  # type: ignore[arg-type]
+        request_deserializer=None,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _announcing(handler: grpc.RpcMethodHandler | None, worker_id: str) -> Any:
@@ -174,6 +238,10 @@ def _announcing(handler: grpc.RpcMethodHandler | None, worker_id: str) -> Any:
 _REFUSED = (
     "this worker accepts only calls authenticated with the deployment secret "
     "(set PDSERVE_SECRET_FILE to the same file as the workers')"
+)
+_OTHER_BODY = (
+    "the call's body does not match its token (a token is good only with the request it "
+    "was made for)"
 )
 _ELSEWHERE = (
     "the call's token is for another worker than this one (has another worker taken over "

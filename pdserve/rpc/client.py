@@ -96,15 +96,18 @@ class GrpcClient:
         self.worker_id = ""
         self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
-    def _metadata(self, method: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
+    def _metadata(
+        self, method: str, request: Any, request_id: str | None
+    ) -> tuple[tuple[str, str], ...]:
         # The current span's W3C context (traceparent): the worker's spans join the trace.
         metadata = request_metadata(request_id) + tracing.inject()
         if self.secret is not None:
-            from pdserve.rpc.auth import AUTH_METADATA, IDENTITY_RPC, token
+            from pdserve.rpc.auth import IDENTITY_RPC, call_metadata
 
             # GetCapabilities is never bound: its reply is how the client (re)learns the id.
             bound = "" if method == IDENTITY_RPC else self.worker_id
-            metadata += ((AUTH_METADATA, token(self.secret, method, worker_id=bound)),)
+            body = request.SerializeToString()  # the bytes grpc sends (its serializer's)
+            metadata += call_metadata(self.secret, method, body, worker_id=bound)
         return metadata
 
     async def close(self) -> None:
@@ -139,7 +142,7 @@ class GrpcClient:
             rpc: Any = call(
                 request,
                 timeout=timeout_s or self.default_timeout_s,
-                metadata=self._metadata(method, request_id),
+                metadata=self._metadata(method, request, request_id),
             )
             reply: T = await rpc
             if method == IDENTITY_RPC and self.secret is not None:
@@ -161,7 +164,7 @@ class GrpcClient:
         rpc = call(
             request,
             timeout=timeout_s or self.default_timeout_s,
-            metadata=self._metadata(method, request_id),
+            metadata=self._metadata(method, request, request_id),
         )
         try:
             async for message in rpc:

@@ -16,7 +16,7 @@ from pdserve.bench.fake_worker import FakeDecode, FakePrefill
 from pdserve.rpc.client import RpcCallError
 from pdserve.rpc.server import GrpcServer
 from prefill_service.client import PrefillClient
-from protos.v1 import common_pb2, worker_pb2_grpc
+from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 SECRET = new_secret().encode()
 
@@ -72,15 +72,14 @@ async def test_calls_without_or_with_a_wrong_secret_are_refused(secret: bytes | 
 
 
 async def test_a_token_for_one_rpc_does_not_open_another() -> None:
-    from pdserve.rpc.auth import AUTH_METADATA, token
+    from pdserve.rpc.auth import AUTH_METADATA, call_metadata, token
 
     server = await serve(FakePrefill(), SECRET)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            from protos.v1 import worker_pb2
-
-            stolen = ((AUTH_METADATA, token(SECRET, "GetCapabilities")),)
+            body = worker_pb2.CapabilitiesRequest().SerializeToString()
+            stolen = call_metadata(SECRET, "GetCapabilities", body)
             await stub.GetCapabilities(worker_pb2.CapabilitiesRequest(), metadata=stolen)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Abort(worker_pb2.AbortRequest(request_id="x"), metadata=stolen)
@@ -107,7 +106,6 @@ async def test_health_checks_stay_open() -> None:
 
 async def test_a_token_bound_to_one_worker_does_not_open_another() -> None:
     from pdserve.rpc.auth import AUTH_METADATA
-    from protos.v1 import worker_pb2
 
     prefill_a, prefill_b = FakePrefill(), FakePrefill()
     a = await serve(prefill_a, SECRET, worker_id="prefill-a")
@@ -128,14 +126,41 @@ async def test_a_token_bound_to_one_worker_does_not_open_another() -> None:
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "another worker" in (info.value.details() or "")
         assert prefill_b.seen.requests == []
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as channel:
-            reply = await worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
-                request, metadata=replay
-            )
-            assert reply.request_id == "r-2"
     finally:
         await a.stop(0)
         await b.stop(0)
+
+
+async def test_a_recorded_token_does_not_carry_another_body() -> None:
+    """A token and its body HMAC, recorded from a call, repeat that call and nothing else:
+    another body is refused before it is deserialized or reaches the servicer."""
+    from pdserve.rpc.auth import AUTH_METADATA, BODY_METADATA
+
+    prefill = FakePrefill()
+    server = await serve(prefill, SECRET, worker_id="prefill-a")
+    try:
+        async with PrefillClient(f"127.0.0.1:{server.port}", secret=SECRET) as client:
+            await client.capabilities()
+            await client.prefill("r-1", [1, 2, 3], common_pb2.SamplingParams())
+        recorded = prefill.seen.metadata[-1]
+        replay = (
+            (AUTH_METADATA, recorded[AUTH_METADATA]),
+            (BODY_METADATA, recorded[BODY_METADATA]),
+        )
+        same_call = prefill.seen.requests[-1]
+        other = worker_pb2.PrefillRequest(request_id="r-2", prompt_token_ids=[9, 9, 9, 9])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            for metadata in (replay, replay[:1]):  # another body; no body HMAC at all
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Prefill(other, metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "does not match its token" in (info.value.details() or "")
+            assert [r.request_id for r in prefill.seen.requests] == ["r-1"]
+            reply = await stub.Prefill(same_call, metadata=replay)  # the same call, repeated
+            assert reply.request_id == "r-1"
+    finally:
+        await server.stop(0)
 
 
 async def test_a_client_binds_only_to_an_announced_id_and_unbinds_when_refused() -> None:

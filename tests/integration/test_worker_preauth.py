@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from kv_transfer.auth import load_secret
-from pdserve.rpc.auth import AUTH_METADATA, token
+from pdserve.rpc.auth import call_metadata
 from pdserve.rpc.secret import SECRET_FILE_ENV, write_new
 from protos.v1 import common_pb2, worker_pb2
 
@@ -179,7 +179,7 @@ async def test_authenticated_large_calls_are_served(
 ) -> None:
     port, _, secret = worker
     body = prefill_body(8 * 1024)
-    metadata = ((AUTH_METADATA, token(secret, "Prefill")),)
+    metadata = call_metadata(secret, "Prefill", body)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
         reply = await raw_prefill(ch)(body, timeout=60, metadata=metadata)
     assert reply.request_id == "big"
