@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kv_transfer.layout import Layout
@@ -61,6 +61,27 @@ class AgentConfig:
         return data
 
     @classmethod
+    def tunables(cls, extra: dict[str, Any]) -> dict[str, float | int]:
+        """The numeric settings (timeouts, bounds) named in ``extra`` (the connector's
+        ``kv_connector_extra_config``), as their types; ValueError for a value that is none."""
+        settings: dict[str, float | int] = {}
+        for f in fields(cls):
+            if f.name not in extra or type(f.default) not in (int, float):
+                continue
+            kind: type[float] | type[int] = type(f.default)  # type: ignore[assignment]
+            try:
+                value = kind(extra[f.name])
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"kv_connector_extra_config {f.name!r} must be a number, not {extra[f.name]!r}"
+                ) from None
+            if value < 0 or (kind is int and value != float(extra[f.name])):
+                raise ValueError(f"kv_connector_extra_config {f.name!r}: {extra[f.name]!r} "
+                                 f"is not a non-negative {kind.__name__}")  # fmt: skip
+            settings[f.name] = value
+        return settings
+
+    @classmethod
     def from_json(cls, data: dict[str, Any]) -> AgentConfig:
         data = dict(data)
         data["layout"] = Layout.from_json(data["layout"])
@@ -92,3 +113,21 @@ def map_regions(config: AgentConfig) -> list[memoryview]:
         views.append(memoryview(mmap.mmap(fd, size, flags=flags)))
         os.close(fd)  # the mapping keeps the memory alive
     return views
+
+
+DEFAULT_PORT = 15100  # the first KV port of a prefill worker (one per tensor-parallel rank)
+
+
+def agent_settings(
+    extra: dict[str, Any], producer: bool, rank: int, secret_file: str
+) -> dict[str, Any]:
+    """A worker's transfer-process settings from the connector's
+    ``kv_connector_extra_config``: ``kv_port``, ``kv_bind_host``, and any of ``AgentConfig``'s
+    timeouts and bounds (``lease_s``, ``io_timeout_s``, ``max_connections``, ...)."""
+    port = int(extra.get("kv_port", DEFAULT_PORT))
+    return {
+        **AgentConfig.tunables({k: v for k, v in extra.items() if k != "port"}),
+        "bind_host": str(extra.get("kv_bind_host", "0.0.0.0")),
+        "port": port + rank if producer else 0,
+        "secret_file": secret_file,
+    }

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_transfer import compat
+from kv_transfer.agent_context import DEFAULT_PORT, agent_settings
 from kv_transfer.announce import Announcer
 from kv_transfer.auth import load_secret
 from kv_transfer.lifecycle import LifecycleStats, NoPromMetrics
@@ -59,7 +60,7 @@ class PdserveConnector(KVConnectorBase_V1):
         self.is_producer = bool(transfer.is_kv_producer)
         if transfer.is_kv_producer and transfer.is_kv_consumer:
             raise ValueError("PdserveConnector needs kv_role kv_producer or kv_consumer, not both")
-        port = int(extra.get("kv_port", 15100))
+        port = int(extra.get("kv_port", DEFAULT_PORT))
         secret_file = str(extra.get("secret_file") or "")
         self.producer: ProducerScheduler | None = None
         self.consumer: ConsumerScheduler | None = None
@@ -84,15 +85,7 @@ class PdserveConnector(KVConnectorBase_V1):
         self.worker = WorkerSide(
             role="producer" if self.is_producer else "consumer",
             compat=dict(extra.get("compat") or compat.describe(vllm_config)),
-            agent_settings={
-                "bind_host": str(extra.get("kv_bind_host", "0.0.0.0")),
-                "port": port + rank if self.is_producer else 0,
-                "lease_s": float(extra.get("lease_s", 30.0)),
-                "register_wait_s": float(extra.get("register_wait_s", 10.0)),
-                "io_timeout_s": float(extra.get("io_timeout_s", 30.0)),
-                "connect_timeout_s": float(extra.get("connect_timeout_s", 3.0)),
-                "secret_file": secret_file,
-            },
+            agent_settings=agent_settings(extra, self.is_producer, rank, secret_file),
         )
         self.port_offset = rank
         self._started: StepMetadata | None = None  # the last metadata whose jobs started
