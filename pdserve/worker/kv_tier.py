@@ -20,6 +20,7 @@ tier. The tier's location (a Redis URL may hold a password) travels to the engin
 from __future__ import annotations
 
 import json
+import os
 from urllib.parse import urlsplit, urlunsplit
 
 from kv_transfer import tier_plugin
@@ -58,6 +59,20 @@ def tier_url(settings: WorkerSettings) -> str:
     if not url:  # fs, disk: a directory
         raise TierConfigError(f"--kv-tier {kind} needs --kv-tier-url <directory>")
     return url
+
+
+def private_directory(path: str) -> None:
+    """The ``disk`` tier's directory, made 0700 when missing; one that other users may write
+    is refused: its chunks carry no MAC (the worker alone reads and writes them), so only the
+    worker's own user may be able to put files there."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_mode & 0o022 or info.st_uid != os.getuid():
+        raise TierConfigError(
+            f"--kv-tier disk: {path} is writable by other users or owned by another one; the "
+            "disk tier's chunks are not authenticated, so its directory must be the worker "
+            "user's alone (chmod 700, or another --kv-tier-url)"
+        )
 
 
 def _next_db(redis_url: str) -> str:
@@ -105,6 +120,7 @@ def lmcache_env(
         "LMCACHE_USE_LAYERWISE": "False",
     }
     if kind == "disk":
+        private_directory(url)
         env["LMCACHE_LOCAL_DISK"] = f"file://{url}"
         env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = f"{max(settings.kv_tier_cpu_gib * 4, 1):g}"
     elif kind in SHARED:

@@ -3,6 +3,8 @@ engine's connector configuration, and clear errors for settings that cannot work
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kv_transfer.compat import handoff_connector
@@ -30,7 +32,7 @@ def test_identity_hides_credentials_and_is_empty_for_private_tiers() -> None:
     assert kv_tier.identity(settings(kv_tier="fs", kv_tier_url="/shared/kv/")) == "fs:/shared/kv"
 
 
-def test_lmcache_environment_of_each_tier() -> None:
+def test_lmcache_environment_of_each_tier(tmp_path: Path) -> None:
     assert kv_tier.lmcache_env(settings()) == {}
     env = kv_tier.lmcache_env(settings(kv_tier="redis", redis_url="redis://h:1/0",
                                        kv_tier_cpu_gib=0.5, kv_tier_chunk_tokens=512))  # fmt: skip
@@ -43,8 +45,20 @@ def test_lmcache_environment_of_each_tier() -> None:
     assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "0.5"
     assert env["LMCACHE_PRE_CACHING_HASH_ALGORITHM"] == "sha256_cbor"
     assert "LMCACHE_REMOTE_STORAGE_PLUGINS" not in kv_tier.lmcache_env(settings(kv_tier="cpu"))
-    disk = kv_tier.lmcache_env(settings(kv_tier="disk", kv_tier_url="/var/kv"))
-    assert disk["LMCACHE_LOCAL_DISK"] == "file:///var/kv"
+    disk = kv_tier.lmcache_env(settings(kv_tier="disk", kv_tier_url=f"{tmp_path}/kv"))
+    assert disk["LMCACHE_LOCAL_DISK"] == f"file://{tmp_path}/kv"
+
+
+def test_the_disk_tier_directory_is_the_workers_alone(tmp_path: Path) -> None:
+    """Its chunks carry no MAC: a directory others may write is refused, a new one is 0700."""
+    made = tmp_path / "new" / "kv"
+    kv_tier.lmcache_env(settings(kv_tier="disk", kv_tier_url=str(made)))
+    assert made.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(kv_tier.TierConfigError, match="writable by other users"):
+        kv_tier.lmcache_env(settings(kv_tier="disk", kv_tier_url=str(shared)))
 
 
 @pytest.mark.parametrize(
