@@ -187,3 +187,14 @@ def test_pull_after_the_producer_restarted_reconnects(pair: Pair) -> None:
     assert done["ok"], done
     src = bench.blocks_digest(pair.p_mem, pair.p_layout, [2, 3])
     assert bench.blocks_digest(pair.c_mem, pair.c_layout, [4, 5]) == src
+
+
+def test_a_pull_of_a_run_of_a_job_is_exact(pair: Pair) -> None:
+    """A decode worker that holds the first blocks of a prompt pulls only the rest: a
+    contiguous run of the job, authenticated like a whole one (kv_transfer.integrity)."""
+    pair.serve("r1", [5, 1, 2, 3])
+    pair.pull("r1", remote=[2, 3], local=[6, 0])
+    done = next_message(pair.consumer)
+    assert done["op"] == "done" and done["ok"], done
+    src = bench.blocks_digest(pair.p_mem, pair.p_layout, [2, 3])
+    assert bench.blocks_digest(pair.c_mem, pair.c_layout, [6, 0]) == src
