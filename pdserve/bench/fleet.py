@@ -30,7 +30,7 @@ from typing import Any
 
 from pdserve.bench import fleet_report as report
 from pdserve.bench.fleet_client import Turn, run_load
-from pdserve.bench.gateway import _cpu_s, _stop
+from pdserve.bench.gateway import process_cpu_s, stop_processes
 from pdserve.bench.routing import wait_healthy
 from pdserve.cluster.redis_server import RedisServer, free_ports
 from pdserve.placement.machine import cpu_info, describe
@@ -127,7 +127,7 @@ class Fleet:
     def stop(self) -> None:
         if self.process.stdin is not None:
             self.process.stdin.close()  # end of input: it stops
-        _stop([self.process])
+        stop_processes([self.process])
 
 
 def start_gateway(redis_url: str, prefill: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -156,7 +156,7 @@ def start_gateway(redis_url: str, prefill: int, log: Path) -> tuple[subprocess.P
             wait_healthy(url, prefill=prefill, up=gateway, timeout_s=180)
             return gateway, url
         except RuntimeError:
-            _stop([gateway])
+            stop_processes([gateway])
             if gateway.returncode == 0 or attempt == GATEWAY_ATTEMPTS:
                 raise
     raise AssertionError("unreachable")
@@ -173,8 +173,8 @@ def snapshot(redis: Any, gateways: list[tuple[subprocess.Popen[bytes], str]],
         "calls": report.command_calls(redis.info("commandstats")),
         "redis_cpu_s": report.cpu_seconds(redis.info("cpu")),
         "route": [_route_buckets(url) for _, url in gateways],
-        "gateway_cpu_s": [_cpu_s(p.pid) for p, _ in gateways],
-        "fleet_cpu_s": _cpu_s(fleet.process.pid),
+        "gateway_cpu_s": [process_cpu_s(p.pid) for p, _ in gateways],
+        "fleet_cpu_s": process_cpu_s(fleet.process.pid),
         "client_cpu_s": time.process_time(),
         **fleet.ask("stats", None),  # served (per worker), dropped (index writes)
         "at": time.monotonic(),
@@ -202,19 +202,20 @@ def measure_point(args: argparse.Namespace, n: int, blocks: int, logs: Path) -> 
         with urllib.request.urlopen(urls[0] + "/v1/models", timeout=10) as response:
             served_model = json.loads(response.read())["data"][0]["id"]
         idle_before = report.command_calls(client.info("commandstats"))
-        idle_cpu = [_cpu_s(p.pid) for p, _ in gateways]
+        idle_cpu = [process_cpu_s(p.pid) for p, _ in gateways]
         idle_redis = report.cpu_seconds(client.info("cpu"))
         time.sleep(args.idle_s)
         idle_redis = report.cpu_seconds(client.info("cpu")) - idle_redis
         idle = report.calls_delta(report.command_calls(client.info("commandstats")), idle_before)
         idle_cpu = [
-            report.minus(_cpu_s(p.pid), c) for (p, _), c in zip(gateways, idle_cpu, strict=True)
+            report.minus(process_cpu_s(p.pid), c)
+            for (p, _), c in zip(gateways, idle_cpu, strict=True)
         ]
         before = snapshot(client, gateways, fleet)
         turns, wall = asyncio.run(run_load(urls, served_model, args))
         after = snapshot(client, gateways, fleet)
     finally:
-        _stop(list(reversed(processes)))
+        stop_processes(list(reversed(processes)))
         if fleet is not None:
             fleet.stop()
         server.stop()

@@ -164,7 +164,7 @@ def start_stack(
                 # and its bind. Again on fresh ports.
                 stack.processes.remove(gateway)
     except BaseException:
-        _stop(list(reversed(stack.processes)))
+        stop_processes(list(reversed(stack.processes)))
         raise
     stack.gateway_pid, stack.fakes_pid = gateway.pid, fakes.pid
     stack.targets = {"decode": f"127.0.0.1:{ports['decode']}",
@@ -172,7 +172,7 @@ def start_stack(
     return stack
 
 
-def _cpu_s(pid: int) -> float | None:
+def process_cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system) a process has used so far; None off Linux."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -182,7 +182,7 @@ def _cpu_s(pid: int) -> float | None:
         return None
 
 
-def _stop(processes: list[subprocess.Popen[Any]]) -> None:
+def stop_processes(processes: list[subprocess.Popen[Any]]) -> None:
     for process in processes:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -222,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
         results, phases, prompt_tokens = asyncio.run(measure(args, stacks, paths))
     finally:
         # Gateways first, then the fakes; each exports its last spans as it exits.
-        _stop([p for stack in stacks.values() for p in reversed(stack.processes)])
+        stop_processes([p for stack in stacks.values() for p in reversed(stack.processes)])
         if receiver is not None:
-            receiver_cpu = _cpu_s(receiver.process.pid)
+            receiver_cpu = process_cpu_s(receiver.process.pid)
             spans = tracing_bench.spans_by_arm(receiver.close(), arms)
         if redis is not None:
             redis.stop()
@@ -304,12 +304,12 @@ async def _phase(
 
     before = (result.requests, result.tokens, result.failed)
     pids = {"gateway_cpu_s": stack.gateway_pid, "fakes_cpu_s": stack.fakes_pid}
-    cpu_before, client_cpu = {k: _cpu_s(pid) for k, pid in pids.items()}, time.process_time()
+    cpu_before, client_cpu = {k: process_cpu_s(pid) for k, pid in pids.items()}, time.process_time()
     wall = await run_phase(
         stream, args.streams, args.tokens, args.requests, args.tokens * args.interval_ms / 1000,
         result, progress if sys.stdout.isatty() else None,
     )  # fmt: skip
-    cpu_after = {k: _cpu_s(pid) for k, pid in pids.items()}
+    cpu_after = {k: process_cpu_s(pid) for k, pid in pids.items()}
     phase: dict[str, Any] = {
         "wall_s": wall, "client_cpu_s": time.process_time() - client_cpu,
         **{k: minus(cpu_after[k], cpu_before[k]) for k in pids},

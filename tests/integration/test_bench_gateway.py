@@ -130,4 +130,4 @@ def test_a_gateway_port_taken_before_it_binds_is_replaced(
         with urllib.request.urlopen(stack.targets["http"] + "/health", timeout=10) as answer:
             assert json.loads(answer.read())["healthy_decode_workers"] == 1
     finally:
-        bench_gateway._stop(list(reversed(stack.processes)))
+        bench_gateway.stop_processes(list(reversed(stack.processes)))

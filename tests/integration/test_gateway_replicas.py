@@ -6,12 +6,11 @@ turns of one conversation reach the same prefill worker whichever gateway each t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
 from gateway.config import GatewaySettings
 from gateway.server import GatewayServer
@@ -25,12 +24,6 @@ from tests.helpers import GatedDecode, model_dir, served_name, tokenizer
 
 BLOCK = 16  # the fakes' block size
 SHARE_S = 0.05  # load_share_interval_s of both gateways
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 @dataclass

@@ -4,12 +4,11 @@ real redis-server holding the registry and the prefix index."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
 from gateway.config import GatewaySettings
 from gateway.server import GatewayServer
@@ -24,12 +23,6 @@ from tests.helpers import counted, metrics_text, model_dir, served_name, tokeniz
 BLOCK = 16  # the fakes' block size
 TIER_CHUNK = 2 * BLOCK
 TIER = "redis:127.0.0.1:6379/1"
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import pytest
@@ -54,12 +54,6 @@ class Engine:
         from vllm.distributed.kv_events import KVEventBatch
 
         self.publisher.publish(KVEventBatch(ts=0.0, events=list(events)))
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -16,12 +16,6 @@ from pdserve.kvindex.redis_store import RedisStore
 from tests.unit.test_kvindex_fence import CASES
 
 M = "model-a"
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture

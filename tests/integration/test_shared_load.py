@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 import redis.asyncio as aioredis
@@ -25,12 +25,6 @@ from pdserve.runtime import supervise
 
 INTERVAL = 0.05
 KEY = Keys("pdserve").inflight
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture
