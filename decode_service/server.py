@@ -33,6 +33,8 @@ def to_chunk(event: DecodeEvent) -> worker_pb2.DecodeChunk:
     if event.finish_reason:
         chunk.finish_reason = event.finish_reason
         chunk.stop_reason = event.stop_reason
+        if event.stop_token_id is not None:
+            chunk.stop_token_id = event.stop_token_id
         chunk.usage.CopyFrom(
             common_pb2.Usage(
                 prompt_tokens=event.prompt_tokens,

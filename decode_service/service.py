@@ -46,7 +46,7 @@ from pdserve.runtime.supervise import start_task
 from pdserve.telemetry import tracing
 from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, KVTransferFailed
-from pdserve.worker.sampling import to_vllm
+from pdserve.worker.sampling import cache_salt, engine_prompt, salted_transfer_params, to_vllm
 from pdserve.worker.service import WorkerService
 from protos.v1 import common_pb2
 
@@ -63,7 +63,8 @@ class DecodeEvent:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str = ""
-    stop_reason: str = ""
+    stop_reason: str = ""  # the stop string that ended generation
+    stop_token_id: int | None = None  # or the stop token
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -155,7 +156,6 @@ class DecodeService(WorkerService):
         params: common_pb2.SamplingParams,
         handoff: dict[str, Any] | None,
     ) -> AsyncIterator[DecodeEvent]:
-        from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         self.check_alive()
@@ -167,7 +167,9 @@ class DecodeService(WorkerService):
                 if str(handoff.get("remote_request_id")) in self.released:
                     handoff = None  # released already: nothing left to release either
                     raise InvalidRequest("the KV hand-off was released: its request was cancelled")
-            extra = {"kv_transfer_params": handoff} if handoff else None
+            salt = cache_salt(params)
+            transfer = salted_transfer_params(handoff, salt, self.settings.kv_tier != "off")
+            extra = {"kv_transfer_params": transfer} if transfer else None
             sampling = to_vllm(
                 params,
                 self.info.max_model_len,
@@ -178,7 +180,7 @@ class DecodeService(WorkerService):
         except InvalidRequest:
             await self._release(handoff)
             raise
-        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        prompt = engine_prompt(list(token_ids), salt)
         generated = 0
         first = True
         # While the engine has the request queued, the prefill worker's lease on its blocks
@@ -218,7 +220,10 @@ class DecodeService(WorkerService):
             reason = stats.get("transfer_error") or "the engine failed the request"
             raise KVTransferFailed(reason)
         event.finish_reason = str(completion.finish_reason or "stop")
-        event.stop_reason = "" if completion.stop_reason is None else str(completion.stop_reason)
+        if isinstance(completion.stop_reason, int):
+            event.stop_token_id = completion.stop_reason
+        elif completion.stop_reason is not None:
+            event.stop_reason = str(completion.stop_reason)
         event.prompt_tokens = prompt_len
         event.completion_tokens = generated
         event.cached_tokens = int(output.num_cached_tokens or 0)

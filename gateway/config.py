@@ -114,7 +114,13 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(
         default=0,
         ge=0,
-        description="max_tokens when a request has none (0: up to the context length)",
+        description="max_tokens when a request has none and the generation config gives none "
+        "(0: up to the context length)",
+    )
+    generation_config: str = Field(
+        default="auto",
+        description="sampling defaults for what a request leaves unset, as vLLM's flag: auto "
+        "(the model's generation_config.json), vllm (none) or a directory holding one",
     )
     picker: str = Field(
         default="auto",

@@ -85,3 +85,11 @@ class DeadlineExceeded(GatewayError):
     """The client's deadline passed before the request finished (gRPC DEADLINE_EXCEEDED)."""
 
     code = "deadline_exceeded"
+
+
+def public_message(err: GatewayError, routing: bool) -> str:
+    """What a client is told of ``err``: without routing headers (a deployment that hides its
+    topology) a failed worker is not named by its address."""
+    if routing or not isinstance(err, WorkerFailed) or not err.worker:
+        return err.message
+    return err.message.replace(err.worker, "<worker>")

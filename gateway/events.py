@@ -39,7 +39,8 @@ class Finish:
     """The last event of a generation."""
 
     finish_reason: str  # "stop", "length" or "abort"
-    stop_reason: str  # the stop string or token that ended generation, if any
+    # The stop string (str) or stop token id (int) that ended generation; None: neither.
+    stop_reason: str | int | None
     usage: Usage
     path: str  # PATH_DISAGGREGATED or PATH_LOCAL
     prefill_worker: str  # address, or "local"

@@ -569,7 +569,7 @@ class Generation:
             self._computed(self.decode, usage.cached_tokens)
         return Finish(
             finish_reason=chunk.finish_reason,
-            stop_reason=chunk.stop_reason,
+            stop_reason=_stop_reason(chunk),
             usage=Usage(
                 prompt_tokens=len(self.token_ids),
                 completion_tokens=len(self._generated),
@@ -622,3 +622,10 @@ class Generation:
 def new_attempt_id() -> str:
     """A fresh internal id for a retried or migrated call (random, like the first)."""
     return uuid.uuid4().hex
+
+
+def _stop_reason(chunk: worker_pb2.DecodeChunk) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop token's id, the stop string, or None."""
+    if chunk.HasField("stop_token_id"):
+        return chunk.stop_token_id
+    return chunk.stop_reason or None

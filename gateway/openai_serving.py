@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import openai_format as fmt
-from gateway.errors import GatewayError, WorkerFailed
+from gateway.errors import GatewayError, WorkerFailed, public_message
 from gateway.events import Finish, TokenDelta, Usage
 from gateway.fanout import ChoiceSpec, merged, total_usage
 from gateway.generation import Generation
@@ -27,6 +27,7 @@ class ChoiceState:
     spec: ChoiceSpec
     generation: Generation
     echo: bool
+    prompt_only: bool = False  # echo of the prompt alone: generated tokens are not shown
     offset: int = 0  # completions logprobs: text offset of the next token
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -46,11 +47,14 @@ class OpenAIResponder:
         *,
         echo: bool,
         logprobs: int | None,
+        prompt_only: bool = False,
     ) -> None:
         self.service = service
         self.shaper = shaper
         self.chat = shaper.chat
-        self.states = [ChoiceState(s, g, echo) for s, g in zip(specs, generations, strict=True)]
+        self.states = [
+            ChoiceState(s, g, echo, prompt_only) for s, g in zip(specs, generations, strict=True)
+        ]
         self.generations = list(generations)
         self.logprobs = (
             None if logprobs is None else LogprobFormatter(service.tokenizer, top=logprobs)
@@ -96,6 +100,8 @@ class OpenAIResponder:
         return self.shaper.full_response(results, self.usage())
 
     def _record(self, state: ChoiceState, event: TokenDelta | Finish) -> None:
+        if isinstance(event, TokenDelta) and state.prompt_only:
+            return
         if isinstance(event, TokenDelta):
             state.parts.append(event.text)
             state.token_ids.extend(event.token_ids)
@@ -129,13 +135,16 @@ class OpenAIResponder:
                     text, logprobs = self._echo_delta(state)
                     yield fmt.sse(self.shaper.delta(state.spec.index, text, logprobs))
             async for position, event in merged(self.generations):
-                yield fmt.sse(self._stream_event(self.states[position], event))
+                state = self.states[position]
+                if isinstance(event, Finish) or not state.prompt_only:
+                    yield fmt.sse(self._stream_event(state, event))
             if self.shaper.include_usage:
                 yield fmt.sse(self.shaper.usage_chunk(self.usage()))
         except GatewayError as err:
             # The status line is gone already: report in-band, as vLLM does.
             _, kind = status_and_type(err)
-            yield fmt.sse(fmt.error_body(err.message, kind, err.param, err.code))
+            message = public_message(err, self.service.settings.routing_headers)
+            yield fmt.sse(fmt.error_body(message, kind, err.param, err.code))
         yield "data: [DONE]\n\n"
 
     def _stream_event(self, state: ChoiceState, event: TokenDelta | Finish) -> dict[str, Any]:

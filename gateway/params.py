@@ -33,6 +33,27 @@ def check_sampling(params: common_pb2.SamplingParams) -> None:
             raise InvalidRequest(f"{name} must be at most {MAX_LOGPROBS}", param=name)
     if params.max_tokens and params.min_tokens > params.max_tokens:
         raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
+    if params.HasField("cache_salt"):
+        check_cache_salt(params.cache_salt)
+
+
+# vLLM's limits on a cache salt (it becomes part of LMCache's chunk keys, which '@' and '/'
+# delimit).
+MAX_CACHE_SALT = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def check_cache_salt(salt: str) -> None:
+    if not salt:
+        raise InvalidRequest(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    if len(salt) > MAX_CACHE_SALT or CACHE_SALT_FORBIDDEN & set(salt):
+        raise InvalidRequest(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\', or NUL.",
+            param="cache_salt",
+        )
 
 
 def resolve_max_tokens(
@@ -42,7 +63,9 @@ def resolve_max_tokens(
     default_max_tokens: int,
     prompt_param: str = "prompt",
 ) -> common_pb2.SamplingParams:
-    """A copy of ``params`` whose ``max_tokens`` is set; checks the context length.
+    """A copy of ``params`` whose ``max_tokens`` is set; checks the context length as vLLM
+    does: a prompt that leaves no room and a ``max_tokens`` beyond the whole context are a
+    400, a ``max_tokens`` beyond the room the prompt leaves is clamped to it.
 
     ``max_model_len`` 0 means unknown (no worker reported it yet): no check, and an absent
     max_tokens stays 0 ("up to the context length" for the worker).
@@ -53,17 +76,35 @@ def resolve_max_tokens(
             f"prompt has {prompt_len} tokens, which leaves no room for generated tokens.",
             param=prompt_param,
         )
+    if max_model_len and params.max_tokens > max_model_len:
+        raise PromptTooLong(
+            f"max_tokens={params.max_tokens} cannot be greater than "
+            f"max_model_len={max_model_len}. Please request fewer output tokens.",
+            param="max_tokens",
+        )
     room = max_model_len - prompt_len if max_model_len else 0
     resolved = common_pb2.SamplingParams()
     resolved.CopyFrom(params)
-    if params.max_tokens == 0:
-        wanted = default_max_tokens or room
-        resolved.max_tokens = min(wanted, room) if room else wanted
-    elif room and params.max_tokens > room:
-        raise PromptTooLong(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-        )
+    wanted = params.max_tokens or default_max_tokens or room
+    resolved.max_tokens = min(wanted, room) if room else wanted
     return resolved
+
+
+def truncate_prompt(
+    token_ids: list[int], keep: int | None, side: str, max_model_len: int
+) -> list[int]:
+    """The prompt as vLLM's ``truncate_prompt_tokens`` leaves it: at most ``keep`` tokens (-1:
+    the context less one), the last ones for ``side`` "left", the first ones for "right"."""
+    if keep is None:
+        return token_ids
+    if max_model_len and keep > max_model_len:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+            f"= {max_model_len}. Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if keep < 0:
+        keep = max_model_len - 1 if max_model_len else len(token_ids)
+    if keep >= len(token_ids):
+        return token_ids
+    return token_ids[len(token_ids) - keep :] if side == "left" else token_ids[:keep]

@@ -34,12 +34,13 @@ from gateway.errors import (
 )
 from gateway.events import Event, outcome_for
 from gateway.generation import AnyWorker, Generation
-from gateway.interfaces import PromptTokenizer
+from gateway.interfaces import DEFAULT_CHAT, ChatOptions, PromptTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Offload
-from gateway.params import check_sampling, resolve_max_tokens
+from gateway.params import check_sampling, resolve_max_tokens, truncate_prompt
 from gateway.pool import WorkerPool
 from gateway.routing.interfaces import Picker, Route, RouteRequest
+from gateway.sampling_defaults import load_defaults, with_defaults
 from pdserve.rpc.client import RpcCallError
 from pdserve.telemetry import tracing
 from protos.v1 import common_pb2, worker_pb2
@@ -70,12 +71,19 @@ def internal_request_id() -> str:
 class Prompt:
     """Exactly one of: completion text, token ids (used as given), chat messages.
 
-    ``tools`` (chat only): OpenAI tool definitions handed to the chat template."""
+    ``tools`` (chat only): OpenAI tool definitions handed to the chat template; ``chat``: how
+    the chat is rendered; ``add_special_tokens`` (text only): as vLLM's field."""
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[Mapping[str, Any], ...] | None = None
     tools: tuple[Mapping[str, Any], ...] | None = None
+    chat: ChatOptions = DEFAULT_CHAT
+    add_special_tokens: bool = True
+    # vLLM's truncate_prompt_tokens (None: no truncation) and truncation_side (None: the
+    # tokenizer's own side)
+    truncate: int | None = None
+    truncation_side: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class GenerateRequest:
 class ModelInfo:
     id: str
     max_model_len: int
+    root: str  # the model's path, as vLLM reports it
 
 
 def route_attributes(picker: str, route: Route) -> dict[str, Any]:
@@ -126,6 +135,7 @@ class GenerationService:
         self.offload = offload or Offload(0)
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.sampling_defaults = load_defaults(settings.generation_config, tokenizer.model_dir)
         self.pool = pool
         self.picker = picker
         self.metrics = metrics
@@ -134,7 +144,7 @@ class GenerationService:
         metrics.in_flight.set_function(lambda: self.active)
 
     def models(self) -> list[ModelInfo]:
-        return [ModelInfo(self.model_name, self.pool.max_model_len())]
+        return [ModelInfo(self.model_name, self.pool.max_model_len(), self.tokenizer.model_dir)]
 
     def ready(self) -> bool:
         """At least one decode worker is healthy."""
@@ -148,16 +158,30 @@ class GenerationService:
 
     async def start(self, request: GenerateRequest) -> Generation:
         token_ids: list[int] | None = None
+        reserved = False
         try:
             with tracing.step("admission"):
                 self._check_model(request.model)
-                check_sampling(request.params)
+                # the request's values, else the model's generation config (as vLLM)
+                sampling = with_defaults(request.params, self.sampling_defaults)
+                check_sampling(sampling)
                 self._admit()
+                # The slot is taken at admission, not after the awaits below: a burst cannot
+                # pass max_concurrent_requests (the generation gives it back when it ends).
+                self.active += 1
+                reserved = True
             with tracing.step("tokenize") as span:
                 token_ids = await self.offload.run(self.tokenize, request.prompt)
+                if request.prompt.truncate is not None:
+                    token_ids = truncate_prompt(
+                        token_ids,
+                        request.prompt.truncate,
+                        request.prompt.truncation_side or self.tokenizer.truncation_side,
+                        self.pool.max_model_len(),
+                    )
                 span.set_attribute("pdserve.prompt_tokens", len(token_ids))
             params = resolve_max_tokens(
-                request.params,
+                sampling,
                 len(token_ids),
                 self.pool.max_model_len(),
                 self.settings.default_max_tokens,
@@ -167,7 +191,11 @@ class GenerationService:
                 route = await self._route(request, token_ids, params)
                 if span.is_recording():
                     span.set_attributes(route_attributes(self.picker.name, route))
-        except (GatewayError, asyncio.CancelledError) as err:
+        except BaseException as err:
+            if reserved:
+                self.active -= 1
+            if not isinstance(err, GatewayError | asyncio.CancelledError):
+                raise
             outcome = outcome_for(err) if isinstance(err, GatewayError) else "cancelled"
             self.metrics.requests.labels(request.endpoint, "none", outcome).inc()
             prompt_tokens = None if token_ids is None else len(token_ids)
@@ -176,7 +204,6 @@ class GenerationService:
                 received_at=request.received_at, prompt_tokens=prompt_tokens,
             )  # fmt: skip
             raise
-        self.active += 1
         internal_id = internal_request_id()
         log.debug("request %s: internal id %s", request.request_id, internal_id)
         generation = Generation(
@@ -247,7 +274,8 @@ class GenerationService:
             if not prompt.messages:
                 raise InvalidRequest("messages must not be empty", param="messages")
             tools = [dict(t) for t in prompt.tools] if prompt.tools else None
-            return self.tokenizer.encode_chat([dict(m) for m in prompt.messages], tools=tools)
+            messages = [dict(m) for m in prompt.messages]
+            return self.tokenizer.encode_chat(messages, tools=tools, options=prompt.chat)
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
             vocab = self.tokenizer.vocab_size
@@ -257,7 +285,7 @@ class GenerationService:
                     f"token id {bad[0]} is out of vocabulary (size {vocab})", param="prompt"
                 )
         elif prompt.text is not None:
-            ids = self.tokenizer.encode_text(prompt.text)
+            ids = self.tokenizer.encode_text(prompt.text, prompt.add_special_tokens)
         else:
             raise InvalidRequest("the request has no prompt", param="prompt")
         if not ids:
@@ -280,7 +308,8 @@ class GenerationService:
         decode = self.pool.healthy_decode()
         if not decode:
             raise NoWorkerAvailable("no healthy decode worker")
-        route_request = RouteRequest(request.request_id, self.model_name, token_ids)
+        salt = params.cache_salt if params.HasField("cache_salt") else None
+        route_request = RouteRequest(request.request_id, self.model_name, token_ids, salt)
         started = time.perf_counter()
         route = await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
         self.metrics.route_seconds.observe(time.perf_counter() - started)

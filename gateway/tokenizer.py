@@ -3,7 +3,8 @@
 Token parity with vLLM's OpenAI server:
 - chat: the chat template is rendered to text (``add_generation_prompt=True``) and that text is
   encoded with ``add_special_tokens=False`` (the template already has BOS etc.), as vLLM's chat
-  path does (its ``add_special_tokens`` defaults to False for chat);
+  path does (its ``add_special_tokens`` defaults to False for chat); a request's
+  ``ChatOptions`` change these as vLLM's fields of the same names do;
 - completions: the prompt text is encoded with ``add_special_tokens=True`` (vLLM's default).
 
 The tokenizer is loaded from the directory's ``tokenizer.json`` with transformers' fast backend
@@ -29,8 +30,17 @@ from typing import Any
 from jinja2 import TemplateError
 
 from gateway.errors import InvalidRequest
+from gateway.interfaces import DEFAULT_CHAT, ChatOptions
 
 log = logging.getLogger(__name__)
+
+# chat_template_kwargs vLLM refuses (the template is the server's; ids come from the gateway).
+REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
+# ``apply_chat_template``'s own arguments: set from the request's fields, not from its kwargs.
+_OWN_ARGUMENTS = frozenset({"conversation", "tools", "documents", "add_generation_prompt",
+                            "continue_final_message", "return_dict", "return_tensors",
+                            "padding", "truncation", "max_length", "tokenizer_kwargs",
+                            "return_assistant_tokens_mask"})  # fmt: skip
 
 
 class HfTokenizer:
@@ -46,25 +56,48 @@ class HfTokenizer:
         self._tok: Any = TokenizersBackend.from_pretrained(model_dir)
         self.vocab_size = len(self._tok)
         self.eos_token_id: int | None = self._tok.eos_token_id
+        # Where vLLM truncates a prompt for truncate_prompt_tokens unless the request says
+        self.truncation_side: str = str(getattr(self._tok, "truncation_side", None) or "right")
         if not getattr(self._tok, "chat_template", None):
             log.warning("tokenizer in %s has no chat template: chat requests will fail", model_dir)
         self.encode_text("")  # settles truncation/padding before any thread encodes (above)
 
-    def encode_text(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
-
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = DEFAULT_CHAT,
     ) -> str:
-        """The chat template applied to ``messages``, ready for the assistant's turn.
+        """The chat template applied to ``messages``, ready for the assistant's turn (or
+        continuing the last message: ``options``).
 
         ``tools`` go to the template as vLLM passes them; a template that ignores them renders
         the same text as without."""
         if not getattr(self._tok, "chat_template", None):
             raise InvalidRequest("this model has no chat template; use /v1/completions")
+        if options.continue_final_message and options.add_generation_prompt:
+            raise InvalidRequest(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        extra = dict(options.template_kwargs or {})
+        refused = sorted(REFUSED_TEMPLATE_KWARGS & extra.keys())
+        if refused:
+            raise InvalidRequest(
+                f"Found unexpected chat template kwargs from request: {refused}",
+                param="chat_template_kwargs",
+            )
+        extra = {k: v for k, v in extra.items() if k not in _OWN_ARGUMENTS}
+        documents = [dict(d) for d in options.documents] if options.documents else None
         try:
             text = self._tok.apply_chat_template(
-                list(messages), tools=tools, add_generation_prompt=True, tokenize=False
+                list(messages),
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                tokenize=False,
+                **extra,
             )
         except (TemplateError, ValueError, TypeError, KeyError) as err:  # e.g. bad roles
             message = f"cannot apply the chat template: {err}"
@@ -72,10 +105,16 @@ class HfTokenizer:
         return str(text)
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = DEFAULT_CHAT,
     ) -> list[int]:
-        text = self.render_chat(messages, tools)
-        return list(self._tok.encode(text, add_special_tokens=False))
+        text = self.render_chat(messages, tools, options)
+        return list(self._tok.encode(text, add_special_tokens=options.add_special_tokens))
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=False))

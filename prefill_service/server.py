@@ -8,6 +8,7 @@ import grpc
 
 from pdserve.worker import handoff
 from pdserve.worker.errors import WorkerError
+from pdserve.worker.sampling import cache_salt
 from pdserve.worker.server import PREFILL_SERVICE, ServicerBase, fail, rpc_span
 from prefill_service.service import PrefillService
 from protos.v1 import worker_pb2, worker_pb2_grpc
@@ -24,7 +25,11 @@ class PrefillServicer(ServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
         with rpc_span(context, f"{SERVICE_NAME}/Prefill", request.request_id) as span:
             service: PrefillService = await self.ready(context)
             try:
-                result = await service.prefill(request.request_id, list(request.prompt_token_ids))
+                result = await service.prefill(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    cache_salt(request.params),
+                )
             except WorkerError as exc:
                 await fail(context, exc)
             span.set_attributes(

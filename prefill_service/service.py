@@ -30,6 +30,7 @@ from kv_transfer.client import RELEASE_KEY, release_by_key
 from kv_transfer.errors import KVTransferError
 from pdserve.worker.engine_times import EnginePhases
 from pdserve.worker.errors import InvalidRequest, WorkerError
+from pdserve.worker.sampling import engine_prompt, salted_transfer_params
 from pdserve.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,11 @@ class PrefillService(WorkerService):
         self.own_connector = self.connector == "pdserve"
         self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
 
-    async def prefill(self, request_id: str, token_ids: list[int]) -> PrefillResult:
-        from vllm import SamplingParams, TokensPrompt
+    async def prefill(
+        self, request_id: str, token_ids: list[int], salt: str | None = None
+    ) -> PrefillResult:
+        """``salt``: the request's cache salt (its KV is shared only within the salt)."""
+        from vllm import SamplingParams
 
         self.check_alive()
         if not token_ids:
@@ -104,9 +108,13 @@ class PrefillService(WorkerService):
                 f"prompt has {len(token_ids)} tokens; the model's context is "
                 f"{self.info.max_model_len} tokens"
             )
-        params = SamplingParams(**handoff_request_params(request_id, self.connector))
+        fields = handoff_request_params(request_id, self.connector)
+        tier = self.settings.kv_tier != "off"
+        transfer = salted_transfer_params(fields["extra_args"]["kv_transfer_params"], salt, tier)
+        fields["extra_args"]["kv_transfer_params"] = transfer
+        params = SamplingParams(**fields)
         final = None
-        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        prompt = engine_prompt(list(token_ids), salt)
         with self.counted():
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
             trace = self.trace_headers()

@@ -22,6 +22,7 @@ class RouteRequest:
     request_id: str
     model: str
     token_ids: Sequence[int]
+    cache_salt: str | None = None  # its KV is shared only with requests of the same salt
 
 
 class RouteFeedback(Protocol):

@@ -75,6 +75,11 @@ class UpSettings(BaseSettings):
     prefill: int = Field(1, ge=0, description="prefill workers (0: decode workers do prompts)")
     decode: int = Field(1, ge=1, description="decode workers")
     model: str = Field("", description="model directory (empty: the prepared default model)")
+    generation_config: str = Field(
+        "auto",
+        description="the gateway's sampling defaults, as vLLM's flag: auto (the model's "
+        "generation_config.json), vllm (none) or a directory holding one",
+    )
     host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
     http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")
     grpc_port: int = Field(shared.GATEWAY_GRPC_PORT, description="gateway gRPC port")
@@ -265,6 +270,7 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
     argv = _pdserve(
         "gateway", "--http-host", s.host, "--http-port", str(s.http_port),
         "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
+        *(["--generation-config", s.generation_config] if s.generation_config != "auto" else []),
         # "=": an empty list (no prefill workers) stays an explicit empty value.
         "--prefill-workers=" + ",".join(prefill), "--decode-workers=" + ",".join(decode),
         *(["--redis-url", s.redis_url] if s.redis_url and not has_credentials(s.redis_url) else []),

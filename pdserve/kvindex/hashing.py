@@ -20,11 +20,18 @@ def _sha256_cbor(obj: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, seed: int | str) -> list[int]:
-    """The event-style (64-bit int) hashes of every full block of ``token_ids``."""
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, seed: int | str, cache_salt: str | None = None
+) -> list[int]:
+    """The event-style (64-bit int) hashes of every full block of ``token_ids``; a
+    ``cache_salt`` enters the first block's extra keys, as vLLM hashes it, and so every hash."""
     parent = _sha256_cbor(str(seed))
     out = []
+    extra: tuple[tuple[str, str], ...] | None = (
+        (("cache_salt", cache_salt),) if cache_salt else None
+    )
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _sha256_cbor((parent, tuple(token_ids[start : start + block_size]), None))
+        parent = _sha256_cbor((parent, tuple(token_ids[start : start + block_size]), extra))
         out.append(int.from_bytes(parent, "big") & MASK_64)
+        extra = None
     return out

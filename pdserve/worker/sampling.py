@@ -20,6 +20,7 @@ _OPTIONAL = (
     "logprobs",
     "prompt_logprobs",
     "skip_special_tokens",
+    "spaces_between_special_tokens",
     "include_stop_str_in_output",
 )
 
@@ -41,6 +42,8 @@ def to_vllm(
     kwargs["stop_token_ids"] = list(params.stop_token_ids) or None
     kwargs["ignore_eos"] = params.ignore_eos
     kwargs["min_tokens"] = params.min_tokens
+    kwargs["allowed_token_ids"] = list(params.allowed_token_ids) or None
+    kwargs["bad_words"] = list(params.bad_words) or None
     if params.logit_bias:
         kwargs["logit_bias"] = {int(t): float(b) for t, b in params.logit_bias.items()}
     if params.HasField("structured_output"):
@@ -72,3 +75,32 @@ def _structured(spec: common_pb2.StructuredOutput) -> Any:
     if kind == "grammar":
         return StructuredOutputsParams(grammar=spec.grammar)
     return None
+
+
+# LMCache names a chunk by its tokens and the request's ``lmcache.tag.*`` settings: a salted
+# request's chunks carry its salt, so the KV tier shares them only within the salt.
+TIER_SALT_TAG = "lmcache.tag.cache_salt"
+
+
+def cache_salt(params: common_pb2.SamplingParams) -> str | None:
+    return params.cache_salt if params.HasField("cache_salt") else None
+
+
+def engine_prompt(token_ids: list[int], salt: str | None) -> Any:
+    """vLLM's prompt of ``token_ids``; with a ``salt``, its blocks hash (and are cached)
+    apart from every other salt's."""
+    from vllm import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=token_ids)
+    if salt:
+        prompt["cache_salt"] = salt
+    return prompt
+
+
+def salted_transfer_params(
+    params: dict[str, Any] | None, salt: str | None, tier: bool
+) -> dict[str, Any] | None:
+    """``params`` (a request's kv_transfer_params) with the salt's tag for a KV tier."""
+    if not (salt and tier):
+        return params
+    return {**(params or {}), TIER_SALT_TAG: salt}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/worker.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"j\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xe0\x01\n\x10KvTransferParams\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x13\n\x0bremote_host\x18\x03 \x01(\t\x12\x13\n\x0bremote_port\x18\x04 \x01(\r\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x03\x12\x19\n\x11remote_num_tokens\x18\x06 \x01(\r\x12$\n\x1cremote_prefill_cached_tokens\x18\x07 \x01(\r\x12\x12\n\nextra_json\x18\x08 \x01(\t\"\xce\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.KvTransferParams\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\'\n\x06\x65ngine\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.EngineTimes\"\xbf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12=\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.KvTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\xb1\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08transfer\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\'\n\x06\x65ngine\x18\t \x01(\x0b\x32\x17.pdserve.v1.EngineTimes\"x\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12=\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.KvTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13\x43\x61pabilitiesRequest\"\xf1\x03\n\x0c\x43\x61pabilities\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x19\n\x11served_model_name\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0ckv_connector\x18\n \x01(\t\x12\x39\n\tkv_compat\x18\x0b \x03(\x0b\x32&.pdserve.v1.Capabilities.KvCompatEntry\x12\x0f\n\x07version\x18\x0c \x01(\t\x12$\n\x04load\x18\r \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12/\n\nindex_keys\x18\x14 \x01(\x0b\x32\x1b.pdserve.v1.PrefixIndexKeys\x12\x0f\n\x07kv_tier\x18\x15 \x01(\t\x12\x1c\n\x14kv_tier_chunk_tokens\x18\x16 \x01(\r\x1a/\n\rKvCompatEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x0fPrefixIndexKeys\x12\x11\n\thash_seed\x18\x01 \x01(\r\x12\x14\n\x0credis_prefix\x18\x02 \x01(\t\"\xe0\x02\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x15\n\rpinned_blocks\x18\x05 \x01(\r\x12\x0e\n\x06leases\x18\x06 \x01(\r\x12\x14\n\x0c\x65ngine_steps\x18\x07 \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x08 \x01(\x04\x12\x10\n\x08kv_bytes\x18\t \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\n \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x0b \x01(\x04\x12\x19\n\x11kv_leases_expired\x18\x0c \x01(\x04\x12\x16\n\x0e\x63pu_lent_steps\x18\r \x01(\x04\x12\x1d\n\x15\x63pu_lend_wait_seconds\x18\x0e \x01(\x01\x12\x19\n\x11\x63pu_lend_reclaims\x18\x0f \x01(\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\xdf\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x0fGetCapabilities\x12\x1f.pdserve.v1.CapabilitiesRequest\x1a\x18.pdserve.v1.Capabilities2\xda\x01\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x0fGetCapabilities\x12\x1f.pdserve.v1.CapabilitiesRequest\x1a\x18.pdserve.v1.Capabilitiesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/worker.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"j\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xe0\x01\n\x10KvTransferParams\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x13\n\x0bremote_host\x18\x03 \x01(\t\x12\x13\n\x0bremote_port\x18\x04 \x01(\r\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x03\x12\x19\n\x11remote_num_tokens\x18\x06 \x01(\r\x12$\n\x1cremote_prefill_cached_tokens\x18\x07 \x01(\r\x12\x12\n\nextra_json\x18\x08 \x01(\t\"\xce\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.KvTransferParams\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\'\n\x06\x65ngine\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.EngineTimes\"\xbf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12=\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.KvTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\xdf\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08transfer\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\'\n\x06\x65ngine\x18\t \x01(\x0b\x32\x17.pdserve.v1.EngineTimes\x12\x1a\n\rstop_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"x\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12=\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.KvTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13\x43\x61pabilitiesRequest\"\xf1\x03\n\x0c\x43\x61pabilities\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x19\n\x11served_model_name\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0ckv_connector\x18\n \x01(\t\x12\x39\n\tkv_compat\x18\x0b \x03(\x0b\x32&.pdserve.v1.Capabilities.KvCompatEntry\x12\x0f\n\x07version\x18\x0c \x01(\t\x12$\n\x04load\x18\r \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12/\n\nindex_keys\x18\x14 \x01(\x0b\x32\x1b.pdserve.v1.PrefixIndexKeys\x12\x0f\n\x07kv_tier\x18\x15 \x01(\t\x12\x1c\n\x14kv_tier_chunk_tokens\x18\x16 \x01(\r\x1a/\n\rKvCompatEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x0fPrefixIndexKeys\x12\x11\n\thash_seed\x18\x01 \x01(\r\x12\x14\n\x0credis_prefix\x18\x02 \x01(\t\"\xe0\x02\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x15\n\rpinned_blocks\x18\x05 \x01(\r\x12\x0e\n\x06leases\x18\x06 \x01(\r\x12\x14\n\x0c\x65ngine_steps\x18\x07 \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x08 \x01(\x04\x12\x10\n\x08kv_bytes\x18\t \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\n \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x0b \x01(\x04\x12\x19\n\x11kv_leases_expired\x18\x0c \x01(\x04\x12\x16\n\x0e\x63pu_lent_steps\x18\r \x01(\x04\x12\x1d\n\x15\x63pu_lend_wait_seconds\x18\x0e \x01(\x01\x12\x19\n\x11\x63pu_lend_reclaims\x18\x0f \x01(\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\xdf\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x0fGetCapabilities\x12\x1f.pdserve.v1.CapabilitiesRequest\x1a\x18.pdserve.v1.Capabilities2\xda\x01\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x0fGetCapabilities\x12\x1f.pdserve.v1.CapabilitiesRequest\x1a\x18.pdserve.v1.Capabilitiesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CAPABILITIES_KVCOMPATENTRY']._loaded_options = None
   _globals['_CAPABILITIES_KVCOMPATENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=2200
-  _globals['_ROLE']._serialized_end=2263
+  _globals['_ROLE']._serialized_start=2246
+  _globals['_ROLE']._serialized_end=2309
   _globals['_PREFILLREQUEST']._serialized_start=62
   _globals['_PREFILLREQUEST']._serialized_end=168
   _globals['_KVTRANSFERPARAMS']._serialized_start=171
@@ -45,23 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=607
   _globals['_DECODEREQUEST']._serialized_end=798
   _globals['_DECODECHUNK']._serialized_start=801
-  _globals['_DECODECHUNK']._serialized_end=1106
-  _globals['_ABORTREQUEST']._serialized_start=1108
-  _globals['_ABORTREQUEST']._serialized_end=1228
-  _globals['_ABORTRESPONSE']._serialized_start=1230
-  _globals['_ABORTRESPONSE']._serialized_end=1260
-  _globals['_CAPABILITIESREQUEST']._serialized_start=1262
-  _globals['_CAPABILITIESREQUEST']._serialized_end=1283
-  _globals['_CAPABILITIES']._serialized_start=1286
-  _globals['_CAPABILITIES']._serialized_end=1783
-  _globals['_CAPABILITIES_KVCOMPATENTRY']._serialized_start=1736
-  _globals['_CAPABILITIES_KVCOMPATENTRY']._serialized_end=1783
-  _globals['_PREFIXINDEXKEYS']._serialized_start=1785
-  _globals['_PREFIXINDEXKEYS']._serialized_end=1843
-  _globals['_WORKERLOAD']._serialized_start=1846
-  _globals['_WORKERLOAD']._serialized_end=2198
-  _globals['_PREFILLWORKER']._serialized_start=2266
-  _globals['_PREFILLWORKER']._serialized_end=2489
-  _globals['_DECODEWORKER']._serialized_start=2492
-  _globals['_DECODEWORKER']._serialized_end=2710
+  _globals['_DECODECHUNK']._serialized_end=1152
+  _globals['_ABORTREQUEST']._serialized_start=1154
+  _globals['_ABORTREQUEST']._serialized_end=1274
+  _globals['_ABORTRESPONSE']._serialized_start=1276
+  _globals['_ABORTRESPONSE']._serialized_end=1306
+  _globals['_CAPABILITIESREQUEST']._serialized_start=1308
+  _globals['_CAPABILITIESREQUEST']._serialized_end=1329
+  _globals['_CAPABILITIES']._serialized_start=1332
+  _globals['_CAPABILITIES']._serialized_end=1829
+  _globals['_CAPABILITIES_KVCOMPATENTRY']._serialized_start=1782
+  _globals['_CAPABILITIES_KVCOMPATENTRY']._serialized_end=1829
+  _globals['_PREFIXINDEXKEYS']._serialized_start=1831
+  _globals['_PREFIXINDEXKEYS']._serialized_end=1889
+  _globals['_WORKERLOAD']._serialized_start=1892
+  _globals['_WORKERLOAD']._serialized_end=2244
+  _globals['_PREFILLWORKER']._serialized_start=2312
+  _globals['_PREFILLWORKER']._serialized_end=2535
+  _globals['_DECODEWORKER']._serialized_start=2538
+  _globals['_DECODEWORKER']._serialized_end=2756
 # @@protoc_insertion_point(module_scope)

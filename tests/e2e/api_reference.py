@@ -3,8 +3,9 @@ reference the gateway's answers must match for every sampling parameter the mode
 
 Usage: python tests/e2e/api_reference.py MODEL_DIR CASES_JSON OUT_JSON DTYPE
 A case: {"name", "params": {SamplingParams fields; "structured_outputs": {...}},
-and one of "text" | "messages"}. OUT_JSON: {name: {"token_ids", "text", "logprobs": [[token,
-logprob], ...] | null, "prompt_logprobs": [logprob | null, ...] | null}}.
+and one of "text" | "messages"; "chat": LLM.chat's rendering arguments, optional}.
+OUT_JSON: {name: {"token_ids", "text", "logprobs": [[token, logprob], ...] | null,
+"prompt_logprobs": [logprob | null, ...] | null}}.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main() -> None:
             fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
         params = SamplingParams(**fields)
         if "messages" in case:
-            out = llm.chat(case["messages"], params, use_tqdm=False)[0]
+            out = llm.chat(case["messages"], params, use_tqdm=False, **case.get("chat", {}))[0]
         else:
             out = llm.generate(case["text"], params, use_tqdm=False)[0]
         results[case["name"]] = _result(out)

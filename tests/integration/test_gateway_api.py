@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -92,6 +93,26 @@ async def test_completion_logprobs_and_echo() -> None:
     assert echo_request.params.prompt_logprobs == 1
     assert not echo_request.HasField("kv_transfer_params")
     assert len(c.prefill.seen.requests) == 2
+
+
+async def test_echo_with_max_tokens_0_returns_the_prompt_alone() -> None:
+    """The scoring call of evaluation harnesses: as vLLM, one token is generated and only the
+    prompt (with its logprobs) comes back; without echo, max_tokens 0 is a 400."""
+    body = {"prompt": "Say it", "max_tokens": 0, "echo": True, "logprobs": 1}
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        whole = await http.post("/v1/completions", json=body)
+        stream = await http.post("/v1/completions", json={**body, "stream": True})
+        refused = await http.post("/v1/completions", json={"prompt": "Say it", "max_tokens": 0})
+    prompt_ids = tokenizer().encode_text("Say it")
+    choice = whole.json()["choices"][0]
+    assert choice["text"] == "Say it"
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt_ids)
+    chunks = [e for e in parse_sse(stream.text)[:-1] if e["choices"]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == "Say it"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert c.decode is not None
+    assert [r.params.max_tokens for r in c.decode.seen.requests] == [1, 1]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 async def test_a_token_with_no_text_yet_still_streams_its_chunk() -> None:
@@ -235,6 +256,27 @@ async def test_saturated_gateway_answers_429_with_retry_after() -> None:
     assert after.status_code == 200  # the slot came back
 
 
+async def test_a_burst_cannot_pass_max_concurrent_requests() -> None:
+    """All requests arrive before any is tokenized: the limit still holds (the slot is taken
+    at admission, before the awaits of tokenization and routing)."""
+    async with (
+        gateway_cluster(decode=GatedDecode(), max_concurrent_requests=2) as c,
+        httpx.AsyncClient(base_url=c.base_url, timeout=60) as http,
+    ):
+        body = {"prompt": "x " * 200, "max_tokens": 4}
+        burst = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(8)]
+        assert isinstance(c.decode, GatedDecode)
+        # each request is either answered (refused) or held at the decode worker's gate
+        while sum(f.done() for f in burst) + len(c.decode.seen.requests) < len(burst):
+            await asyncio.sleep(0.01)
+        c.decode.gate.set()
+        codes = sorted(r.status_code for r in await asyncio.gather(*burst))
+        metrics = (await http.get("/metrics")).text
+    assert codes == [200, 200] + [429] * 6, codes
+    assert len(c.decode.seen.requests) == 2
+    assert 'pdserve_gateway_rejected_total{reason="gateway_limit"} 6.0' in metrics
+
+
 async def test_openapi_describes_every_route_and_errors() -> None:
     async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
         doc = (await http.get("/openapi.json")).json()
@@ -276,3 +318,19 @@ async def test_disconnect_mid_stream_aborts_every_choice_on_every_worker() -> No
         assert c.gateway.service is not None and c.gateway.service.active == 0
     assert sorted(decode.seen.aborts) == expected
     assert sorted(c.prefill.seen.aborts) == expected
+
+
+async def test_a_generation_config_gives_the_workers_its_defaults(tmp_path: Any) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": 3}))
+    async with (
+        gateway_cluster(generation_config=str(tmp_path)) as c,
+        httpx.AsyncClient(base_url=c.base_url) as http,
+    ):
+        body = {"prompt": "x", "max_tokens": 2}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        body = {**body, "temperature": 0.9}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    assert c.decode is not None
+    first, second = (r.params for r in c.decode.seen.requests)
+    assert first.temperature == pytest.approx(0.25) and first.top_k == 3
+    assert second.temperature == pytest.approx(0.9) and second.top_k == 3

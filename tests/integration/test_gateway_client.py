@@ -4,12 +4,15 @@ commands, and the gRPC API's auth, Tokenize, logprobs, saturation and deadlines.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 
+import grpc
 import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
 from pdserve.cli.client import GatewayCallError, GatewayClient
+from protos.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
@@ -33,6 +36,21 @@ async def test_client_generate_tokenize_and_models() -> None:
     assert [m.id for m in models] == [served_name()]
     assert missing.value.code == "NOT_FOUND"
     assert empty.value.code == "INVALID_ARGUMENT"
+
+
+async def test_grpc_tokenize_takes_the_tools_generate_takes() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    async with gateway_cluster() as c, grpc.aio.insecure_channel(c.grpc_target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        request = generate_pb2.TokenizeRequest(tools_json=json.dumps(tools))
+        request.chat.messages.add(role="user", content="Hi")
+        reply = await stub.Tokenize(request)
+        request.tools_json = "[not json"
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.Tokenize(request)
+    assert list(reply.token_ids) == tokenizer().encode_chat(CHAT, tools=tools)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tools_json" in (bad.value.details() or "")
 
 
 async def test_grpc_api_keys_as_metadata() -> None:
@@ -91,3 +109,13 @@ async def test_generate_and_chat_commands() -> None:
     code, out, err = await _run_cli("generate", "x", "--target", dead_address())
     assert code == 1
     assert "cannot reach the gateway" in err and "Traceback" not in err
+
+
+async def test_grpc_final_message_hides_workers_when_routing_headers_are_off() -> None:
+    for shown in (True, False):
+        async with (
+            gateway_cluster(routing_headers=shown) as c,
+            GatewayClient(c.grpc_target) as client,
+        ):
+            _, last = await client.complete(text="Hello", max_tokens=2)
+        assert bool(last.raw.prefill_worker) == bool(last.raw.decode_worker) == shown, last.raw

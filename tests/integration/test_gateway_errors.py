@@ -51,6 +51,18 @@ async def _post(base_url: str, path: str, body: Any, **kwargs: Any) -> httpx.Res
         ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
         ({}, "messages"),
+        ({"messages": CHAT, "cache_salt": ""}, "cache_salt"),
+        ({"messages": CHAT, "cache_salt": "a/b"}, "cache_salt"),
+        ({"messages": CHAT, "cache_salt": "x" * 129}, "cache_salt"),
+        # vLLM's fields pdserve does not honour yet: refused, never dropped (openai_fields)
+        ({"messages": CHAT, "priority": 2}, "priority"),
+        ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+        ({"messages": CHAT, "kv_transfer_params": {"remote_host": "x"}}, "kv_transfer_params"),
+        (
+            {"messages": CHAT, "structured_outputs": {"regex": "a", "structural_tag": "t"}},
+            "structured_outputs.structural_tag",
+        ),
+        ({"messages": CHAT, "allowed_token_ids": []}, "allowed_token_ids"),
     ],
 )
 async def test_bad_chat_bodies_are_400(body: dict, param: str | None) -> None:
@@ -74,6 +86,15 @@ async def test_bad_completion_bodies_are_400() -> None:
         bad_id = await _post(c.base_url, "/v1/completions", {"prompt": [1, 10**9]})
         logprobs = await _post(c.base_url, "/v1/completions", {"prompt": "x", "logprobs": 21})
         suffix = await _post(c.base_url, "/v1/completions", {"prompt": "x", "suffix": "y"})
+        truncate = await _post(
+            c.base_url, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}
+        )
+        # vLLM's defaults of refused fields and fields vLLM does not know go through
+        defaults = await _post(
+            c.base_url,
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 2, "use_beam_search": False, "unknown_field": 1},
+        )
     assert "JSON" in assert_openai_error(not_json, 400)["message"]
     assert "JSON object" in assert_openai_error(not_object, 400)["message"]
     assert_openai_error(no_prompt, 400, "prompt")
@@ -82,6 +103,8 @@ async def test_bad_completion_bodies_are_400() -> None:
     assert "vocabulary" in assert_openai_error(bad_id, 400, "prompt")["message"]
     assert_openai_error(logprobs, 400, "logprobs")
     assert_openai_error(suffix, 400, "suffix")
+    assert_openai_error(truncate, 400, "truncate_prompt_tokens")
+    assert defaults.status_code == 200, defaults.text
 
 
 async def test_unknown_model_is_404() -> None:
@@ -148,3 +171,47 @@ async def test_worker_refusing_the_request_is_400_not_a_fallback() -> None:
     error = assert_openai_error(response, 400)
     assert "scripted prefill failure" in error["message"]
     assert c.decode is not None and not c.decode.seen.requests
+
+
+async def test_truncated_prompts_reach_the_workers_truncated() -> None:
+    ids = list(range(100, 130))
+    async with gateway_cluster() as c:
+        answers = []
+        for side in ("left", "right"):
+            body = {"prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 8}
+            answers.append(
+                await _post(c.base_url, "/v1/completions", {**body, "truncation_side": side})
+            )
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert answers[0].json()["usage"]["prompt_tokens"] == 8
+        assert c.decode is not None
+        seen = [list(r.prompt_token_ids) for r in c.decode.seen.requests]
+    assert ids[-8:] in seen and ids[:8] in seen
+
+
+async def test_a_cache_salt_reaches_both_workers() -> None:
+    async with gateway_cluster() as c:
+        body = {"messages": CHAT, "max_tokens": 2, "cache_salt": "tenant-a"}
+        salted = await _post(c.base_url, "/v1/chat/completions", body)
+        plain = await _post(c.base_url, "/v1/chat/completions", {**body, "cache_salt": None})
+    assert salted.status_code == plain.status_code == 200
+    assert c.prefill is not None and c.decode is not None
+    for seen in (c.prefill.seen.requests, c.decode.seen.requests):
+        assert [r.params.cache_salt if r.params.HasField("cache_salt") else None for r in seen] == [
+            "tenant-a",
+            None,
+        ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("shown", [True, False])
+async def test_errors_name_no_worker_address_when_routing_headers_are_off(
+    shown: bool, stream: bool
+) -> None:
+    failing = FakeDecode(fail_after=1)  # one token out: a stream fails in-band
+    async with gateway_cluster(decode=failing, routing_headers=shown) as c:
+        address = c.gateway.settings.decode_workers[0]
+        body = {"prompt": "x", "max_tokens": 4, "stream": stream}
+        reply = await _post(c.base_url, "/v1/completions", body)
+    text = reply.text if stream else assert_openai_error(reply, 503)["message"]
+    assert "decode worker" in text and (address in text) == shown, text

@@ -28,3 +28,29 @@ def test_hashes_match_vllm() -> None:
     assert ours == vllm_hashes(ids, 128, "42")
     assert block_hashes(ids, 128, seed=43) != ours  # the seed matters
     assert block_hashes([*ids[:256], 1], 128, seed=42) == ours[:2]  # prefixes share hashes
+
+
+def test_a_cache_salt_hashes_as_vllm_salts_a_request() -> None:
+    import os
+    from types import SimpleNamespace
+
+    os.environ["PYTHONHASHSEED"] = "42"
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name("sha256_cbor")
+    kv_cache_utils.init_none_hash(fn)
+    ids = [(i * 7919) % 49152 for i in range(300)]
+    request = SimpleNamespace(
+        cache_salt="tenant-a", lora_request=None, mm_features=[], prompt_embeds=None
+    )
+    parent, theirs = None, []
+    for start in range(0, 256, 128):
+        extra, _ = kv_cache_utils.generate_block_hash_extra_keys(request, start, start + 128, 0)
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, ids[start : start + 128], extra)
+        theirs.append(int.from_bytes(parent, "big") & MASK_64)
+    salted = block_hashes(ids, 128, seed=42, cache_salt="tenant-a")
+    assert salted == theirs
+    plain = block_hashes(ids, 128, seed=42)
+    assert all(s != p for s, p in zip(salted, plain, strict=True))  # every block, not the first
+    assert block_hashes(ids, 128, seed=42, cache_salt="tenant-b") != salted

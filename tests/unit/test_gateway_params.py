@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import InvalidRequest, PromptTooLong
-from gateway.params import check_sampling, resolve_max_tokens
+from gateway.params import check_sampling, resolve_max_tokens, truncate_prompt
 from protos.v1 import common_pb2
 
 
@@ -26,9 +26,12 @@ def test_context_overflow_is_prompt_too_long() -> None:
         resolve_max_tokens(common_pb2.SamplingParams(), 100, 100, 0, prompt_param="messages")
     assert err.value.param == "messages"
     with pytest.raises(PromptTooLong) as err:
-        resolve_max_tokens(common_pb2.SamplingParams(max_tokens=91), 10, 100, 0)
-    assert err.value.param == "max_tokens"
+        resolve_max_tokens(common_pb2.SamplingParams(max_tokens=101), 10, 100, 0)
+    assert err.value.param == "max_tokens" and "max_model_len=100" in str(err.value)
+    # beyond the room the prompt leaves but within the context: clamped, as vLLM does
+    assert resolve_max_tokens(common_pb2.SamplingParams(max_tokens=91), 10, 100, 0).max_tokens == 90
     assert resolve_max_tokens(common_pb2.SamplingParams(max_tokens=90), 10, 100, 0).max_tokens == 90
+    assert resolve_max_tokens(common_pb2.SamplingParams(max_tokens=100), 10, 0, 0).max_tokens == 100
 
 
 @pytest.mark.parametrize(
@@ -66,3 +69,16 @@ def test_integers_wider_than_their_proto_field_are_refused(field: str) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], field: 5_057_919_199}
     with pytest.raises(ValidationError, match=field):
         ChatCompletionRequest.model_validate(body)
+
+
+def test_truncate_prompt_keeps_what_vllm_keeps() -> None:
+    ids = list(range(10))
+    assert truncate_prompt(ids, None, "left", 100) == ids
+    assert truncate_prompt(ids, 4, "left", 100) == [6, 7, 8, 9]
+    assert truncate_prompt(ids, 4, "right", 100) == [0, 1, 2, 3]
+    assert truncate_prompt(ids, 0, "right", 100) == []
+    assert truncate_prompt(ids, 40, "left", 100) == ids
+    assert truncate_prompt(ids, -1, "left", 8) == ids[-7:]  # the context less one
+    with pytest.raises(InvalidRequest) as err:
+        truncate_prompt(ids, 101, "left", 100)
+    assert err.value.param == "truncate_prompt_tokens"

@@ -147,3 +147,18 @@ async def test_with_the_index_down_it_predicts_nothing() -> None:
     assert disaggregated.predicted_cached_tokens is None
     assert local.predicted_cached_tokens is None
     assert choose.metrics.index_errors._value.get() == 2
+
+
+async def test_a_salted_prompt_matches_only_its_own_salts_blocks() -> None:
+    index = MemoryIndex()
+    ids = list(range(100))
+    await index.apply("m", "p1", [BlockOps(stored=block_hashes(ids, BS, seed=42))])
+    await index.apply("m", "p2", [BlockOps(stored=block_hashes(ids, BS, seed=42, cache_salt="a"))])
+    p1, p2, d = StandIn("p1", "prefill"), StandIn("p2", "prefill"), StandIn("d", "decode")
+    chooser = picker(index, hash_seed=42)
+    plain = await chooser.pick(RouteRequest("r", "m", ids), [p1, p2], [d], always)
+    assert plain.prefill is p1 and plain.predicted_cached_tokens == 96
+    salted = await chooser.pick(RouteRequest("r", "m", ids, "a"), [p1, p2], [d], always)
+    assert salted.prefill is p2 and salted.predicted_cached_tokens == 96
+    other = await chooser.pick(RouteRequest("r", "m", ids, "b"), [p1, p2], [d], always)
+    assert other.predicted_cached_tokens == 0

@@ -178,7 +178,7 @@ def test_command_lines_with_model_engine_args_and_more_workers() -> None:
     s = parse(
         "--prefill", "2", "--decode", "2", "--model", "models/tiny",
         "--prefill-engine-args=--enforce-eager", "--decode-engine-args", "--max-model-len 512",
-        "--http-port", "8100", "--grpc-port", "50061",
+        "--http-port", "8100", "--grpc-port", "50061", "--generation-config", "vllm",
     )  # fmt: skip
     specs, warning = build_specs(s, gpus=[], cores=[0, 1])
     assert warning == "warning: 4 engines share 2 CPU core(s)"
@@ -193,7 +193,7 @@ def test_command_lines_with_model_engine_args_and_more_workers() -> None:
     )  # fmt: skip
     assert by_name["gateway"][3:] == (
         "gateway", "--http-host", "127.0.0.1", "--http-port", "8100", "--grpc-port", "50061",
-        "--model", "models/tiny",
+        "--model", "models/tiny", "--generation-config", "vllm",
         "--prefill-workers=127.0.0.1:50100,127.0.0.1:50101",
         "--decode-workers=127.0.0.1:50200,127.0.0.1:50201",
     )  # fmt: skip
