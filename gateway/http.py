@@ -245,7 +245,11 @@ async def _serve(
     chat: bool,
 ) -> Response:
     shaper = fmt.ChunkShaper(
-        _request_id(request), service.model_name, chat=chat, include_usage=body.include_usage
+        _request_id(request),
+        service.model_name,
+        chat=chat,
+        include_usage=body.include_usage,
+        return_token_ids=bool(body.return_token_ids),
     )
     generations = await _unless_disconnected(request, start_all(service, specs))
     if generations is None:

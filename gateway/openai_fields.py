@@ -29,7 +29,6 @@ COMMON: dict[str, tuple[Any, str]] = {
     "request_id": (None, _LATER + ": the gateway names each request (x-request-id)"),
     "session_id": (None, _LATER),
     "return_tokens_as_token_ids": (None, _LATER),
-    "return_token_ids": (None, _LATER),
     "routed_experts_prompt_start": (0, _LATER),
     "return_token_offsets": (False, _LATER),
     "mm_payload": ("tensors", "multimodal input is " + _LATER),

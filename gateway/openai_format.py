@@ -95,14 +95,27 @@ class ChoiceResult:
     text: str
     finish: Finish
     logprobs: dict[str, Any] | None = None
+    token_ids: Sequence[int] = ()  # generated
+    prompt_token_ids: Sequence[int] = ()
 
 
 class ChunkShaper:
     """Builds the JSON bodies of one completion (``chat`` or text), streamed or whole."""
 
-    def __init__(self, request_id: str, model: str, *, chat: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        chat: bool,
+        include_usage: bool,
+        return_token_ids: bool = False,
+    ) -> None:
+        """``return_token_ids``: vLLM's field: each choice carries its token ids (the deltas'
+        when streamed) and the prompt's (a chat's at the top, once)."""
         self.chat = chat
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
@@ -138,22 +151,43 @@ class ChunkShaper:
         )
         return choice
 
-    def opening(self, count: int) -> list[dict[str, Any]]:
-        """Chat streams start with the assistant role (empty content) for every choice."""
+    def opening(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+        """Chat streams start with the assistant role (empty content) for every choice
+        (``prompts``: each choice's prompt ids)."""
         if not self.chat:
             return []
         chunks = []
-        for index in range(count):
+        for index, prompt in enumerate(prompts):
             choice = self._choice(index, "")
             choice["delta"] = {"role": "assistant", "content": ""}
-            chunks.append(self._chunk([choice]))
+            chunk = self._chunk([choice])
+            if self.return_token_ids:
+                chunk["prompt_token_ids"] = list(prompt)
+            chunks.append(chunk)
         return chunks
 
-    def delta(self, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return self._chunk([self._choice(index, text, logprobs)])
+    def delta(
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        token_ids: Sequence[int] = (),
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
+        """``prompt_token_ids``: with ``return_token_ids``, on a completion choice's first
+        chunk."""
+        choice = self._choice(index, text, logprobs)
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if prompt_token_ids is not None and not self.chat:
+                choice["prompt_token_ids"] = list(prompt_token_ids)
+        return self._chunk([choice])
 
     def finish(self, index: int, finish: Finish) -> dict[str, Any]:
-        return self._chunk([self._choice(index, None if self.chat else "", None, finish)])
+        choice = self._choice(index, None if self.chat else "", None, finish)
+        if self.return_token_ids:
+            choice["token_ids"] = []
+        return self._chunk([choice])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._chunk([])
@@ -173,8 +207,12 @@ class ChunkShaper:
                 finish_reason=result.finish.finish_reason,
                 stop_reason=result.finish.stop_reason,
             )
+            if self.return_token_ids:
+                choice["token_ids"] = list(result.token_ids)
+                if not self.chat:
+                    choice["prompt_token_ids"] = list(result.prompt_token_ids)
             choices.append(choice)
-        return {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -182,3 +220,6 @@ class ChunkShaper:
             "choices": choices,
             "usage": usage_body(usage),
         }
+        if self.return_token_ids and self.chat and results:
+            body["prompt_token_ids"] = list(results[0].prompt_token_ids)
+        return body

@@ -74,6 +74,7 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**63 - 1)
     truncation_side: Literal["left", "right"] | None = None
     cache_salt: str | None = None
+    return_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -256,6 +257,11 @@ class CompletionRequest(_Sampling):
             raise InvalidRequest("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise InvalidRequest("only best_of=1 is supported", param="best_of")
+        if self.echo and self.return_token_ids:
+            raise InvalidRequest(
+                "return_token_ids with echo is not supported by pdserve yet",
+                param="return_token_ids",
+            )
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequest("max_tokens must be at least 1, got 0.", param="max_tokens")
 

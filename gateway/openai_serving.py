@@ -28,6 +28,7 @@ class ChoiceState:
     generation: Generation
     echo: bool
     prompt_only: bool = False  # echo of the prompt alone: generated tokens are not shown
+    prompt_ids_sent: bool = False  # return_token_ids: a stream shows the prompt's ids once
     offset: int = 0  # completions logprobs: text offset of the next token
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -123,12 +124,19 @@ class OpenAIResponder:
                 logprobs[key].extend(values)
         elif generated is not None:
             logprobs = generated
-        return fmt.ChoiceResult(state.spec.index, text, state.finish, logprobs)
+        return fmt.ChoiceResult(
+            state.spec.index,
+            text,
+            state.finish,
+            logprobs,
+            token_ids=state.token_ids,
+            prompt_token_ids=state.generation.token_ids,
+        )
 
     async def sse(self) -> AsyncIterator[str]:
         """SSE lines: role first (chat), echo, deltas, finishes, usage (if asked), [DONE]."""
         try:
-            for chunk in self.shaper.opening(len(self.states)):
+            for chunk in self.shaper.opening([s.generation.token_ids for s in self.states]):
                 yield fmt.sse(chunk)
             for state in self.states:
                 if state.echo:
@@ -155,4 +163,6 @@ class OpenAIResponder:
         # of a UTF-8 character) has an empty text, and leaving it out made a client see the
         # next token two steps late. (A delta has tokens or text: Generation._on_tokens.)
         logprobs = self._logprobs_of(state, event.token_ids, event.logprobs)
-        return self.shaper.delta(state.spec.index, event.text, logprobs)
+        prompt = None if state.prompt_ids_sent else state.generation.token_ids
+        state.prompt_ids_sent = True
+        return self.shaper.delta(state.spec.index, event.text, logprobs, event.token_ids, prompt)

@@ -334,3 +334,36 @@ async def test_a_generation_config_gives_the_workers_its_defaults(tmp_path: Any)
     first, second = (r.params for r in c.decode.seen.requests)
     assert first.temperature == pytest.approx(0.25) and first.top_k == 3
     assert second.temperature == pytest.approx(0.9) and second.top_k == 3
+
+
+async def test_return_token_ids_streamed_and_whole() -> None:
+    """vLLM's return_token_ids: the generated ids per choice (per chunk when streamed) and the
+    prompt's ids (a completion choice's first chunk; a chat response's top level)."""
+    generated = [t for t, _ in DEFAULT_PIECES]
+    prompt = tokenizer().encode_text("Say it")
+    chat_prompt = tokenizer().encode_chat(CHAT)
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        base = {"max_tokens": len(generated), "return_token_ids": True}
+        text = (await http.post("/v1/completions", json={**base, "prompt": "Say it"})).json()
+        chat = (await http.post("/v1/chat/completions", json={**base, "messages": CHAT})).json()
+        text_stream = await http.post(
+            "/v1/completions", json={**base, "prompt": "Say it", "stream": True}
+        )
+        chat_stream = await http.post(
+            "/v1/chat/completions", json={**base, "messages": CHAT, "stream": True}
+        )
+        plain = (await http.post("/v1/completions", json={"prompt": "Say it"})).json()
+        echoed = await http.post("/v1/completions", json={**base, "prompt": "x", "echo": True})
+    assert text["choices"][0]["token_ids"] == generated
+    assert text["choices"][0]["prompt_token_ids"] == prompt
+    assert chat["choices"][0]["token_ids"] == generated
+    assert chat["prompt_token_ids"] == chat_prompt
+    chunks = [e for e in parse_sse(text_stream.text)[:-1] if e["choices"]]
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == generated
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert not any("prompt_token_ids" in ch["choices"][0] for ch in chunks[1:])
+    events = [e for e in parse_sse(chat_stream.text)[:-1] if e["choices"]]
+    assert events[0]["prompt_token_ids"] == chat_prompt
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == generated
+    assert "token_ids" not in plain["choices"][0]
+    assert echoed.status_code == 400 and echoed.json()["error"]["param"] == "return_token_ids"

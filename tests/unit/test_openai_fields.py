@@ -69,7 +69,7 @@ def test_structured_outputs_fields_are_honoured_or_refused() -> None:
     ("field", "value"),
     [
         ("logprob_token_ids", [1, 2]),
-        ("return_token_ids", True),
+        ("return_tokens_as_token_ids", True),
         ("priority", 1),
         ("kv_transfer_params", {"do_remote_decode": True}),
         ("reasoning_effort", "low"),
