@@ -261,6 +261,7 @@ async def _serve(
         generations,
         echo=isinstance(body, CompletionRequest) and body.echo,
         prompt_only=isinstance(body, CompletionRequest) and body.prompt_only,
+        continuous_usage=body.continuous_usage,
         logprobs=body.logprobs_count(),
     )
     if body.stream:

@@ -86,6 +86,13 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM: only together with ``include_usage``)."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -98,11 +105,6 @@ class _Sampling(BaseModel):
         if self.structured_outputs is not None:
             given = self.structured_outputs.model_extra
             refuse_unsupported(given, STRUCTURED, prefix="structured_outputs.")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise InvalidRequest(
-                "`stream_options.continuous_usage_stats` is not supported by pdserve yet",
-                param="stream_options.continuous_usage_stats",
-            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed with stream=true", param="stream_options"

@@ -29,6 +29,7 @@ class ChoiceState:
     echo: bool
     prompt_only: bool = False  # echo of the prompt alone: generated tokens are not shown
     prompt_ids_sent: bool = False  # return_token_ids: a stream shows the prompt's ids once
+    streamed: int = 0  # tokens streamed so far (continuous usage)
     offset: int = 0  # completions logprobs: text offset of the next token
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -49,7 +50,10 @@ class OpenAIResponder:
         echo: bool,
         logprobs: int | None,
         prompt_only: bool = False,
+        continuous_usage: bool = False,
     ) -> None:
+        """``continuous_usage``: every streamed chunk carries its choice's usage so far."""
+        self.continuous_usage = continuous_usage
         self.service = service
         self.shaper = shaper
         self.chat = shaper.chat
@@ -136,16 +140,18 @@ class OpenAIResponder:
     async def sse(self) -> AsyncIterator[str]:
         """SSE lines: role first (chat), echo, deltas, finishes, usage (if asked), [DONE]."""
         try:
-            for chunk in self.shaper.opening([s.generation.token_ids for s in self.states]):
-                yield fmt.sse(chunk)
+            opening = self.shaper.opening([s.generation.token_ids for s in self.states])
+            for chunk, state in zip(opening, self.states, strict=False):
+                yield fmt.sse(self._with_usage(chunk, state))
             for state in self.states:
                 if state.echo:
                     text, logprobs = self._echo_delta(state)
-                    yield fmt.sse(self.shaper.delta(state.spec.index, text, logprobs))
+                    chunk = self.shaper.delta(state.spec.index, text, logprobs)
+                    yield fmt.sse(self._with_usage(chunk, state))
             async for position, event in merged(self.generations):
                 state = self.states[position]
                 if isinstance(event, Finish) or not state.prompt_only:
-                    yield fmt.sse(self._stream_event(state, event))
+                    yield fmt.sse(self._with_usage(self._stream_event(state, event), state))
             if self.shaper.include_usage:
                 yield fmt.sse(self.shaper.usage_chunk(self.usage()))
         except GatewayError as err:
@@ -155,10 +161,23 @@ class OpenAIResponder:
             yield fmt.sse(fmt.error_body(message, kind, err.param, err.code))
         yield "data: [DONE]\n\n"
 
+    def _with_usage(self, chunk: dict[str, Any], state: ChoiceState) -> dict[str, Any]:
+        """``chunk`` with its choice's usage so far, when the client asked for it on every
+        chunk (``stream_options.continuous_usage_stats``), as vLLM counts it."""
+        if self.continuous_usage:
+            prompt = len(state.generation.token_ids)
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": state.streamed,
+                "total_tokens": prompt + state.streamed,
+            }
+        return chunk
+
     def _stream_event(self, state: ChoiceState, event: TokenDelta | Finish) -> dict[str, Any]:
         if isinstance(event, Finish):
             state.finish = event
             return self.shaper.finish(state.spec.index, event)
+        state.streamed += len(event.token_ids)
         # A chunk for every delta, as vLLM sends: a token whose text is still incomplete (part
         # of a UTF-8 character) has an empty text, and leaving it out made a client see the
         # next token two steps late. (A delta has tokens or text: Generation._on_tokens.)

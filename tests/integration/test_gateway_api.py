@@ -367,3 +367,22 @@ async def test_return_token_ids_streamed_and_whole() -> None:
     assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == generated
     assert "token_ids" not in plain["choices"][0]
     assert echoed.status_code == 400 and echoed.json()["error"]["param"] == "return_token_ids"
+
+
+async def test_continuous_usage_stats_count_every_chunk() -> None:
+    body = {
+        "messages": CHAT,
+        "max_tokens": len(DEFAULT_PIECES),
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        response = await http.post("/v1/chat/completions", json=body)
+    prompt = len(tokenizer().encode_chat(CHAT))
+    chunks = [e for e in parse_sse(response.text)[:-1] if e["choices"]]
+    counts = [ch["usage"]["completion_tokens"] for ch in chunks]
+    assert counts == [*range(len(DEFAULT_PIECES) + 1), len(DEFAULT_PIECES)]  # role, tokens, finish
+    assert all(ch["usage"]["prompt_tokens"] == prompt for ch in chunks)
+    assert all(
+        ch["usage"]["total_tokens"] == prompt + ch["usage"]["completion_tokens"] for ch in chunks
+    )
