@@ -61,14 +61,6 @@ def status_code(err: GatewayError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, err: GatewayError, routing: bool = True
-) -> NoReturn:
-    """``routing``: the deployment's ``routing_headers`` (off: no worker address is shown)."""
-    await context.abort(status_code(err), public_message(err, routing))
-    raise AssertionError("context.abort returned")  # it always raises
-
-
 def _span(method: str, request_id: str, metadata: dict[str, str]) -> Any:
     """The server span of one call: the root of its trace, or a child of the client's
     ``traceparent`` metadata; a no-op while tracing is off."""
@@ -131,12 +123,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.service = service
         self.api_keys = api_keys or ApiKeys(())
 
+    async def _abort(self, context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
+        """End the call with ``err``'s status; without routing headers its text names no
+        worker address."""
+        message = public_message(err, self.service.settings.routing_headers)
+        await context.abort(status_code(err), message)
+        raise AssertionError("context.abort returned")  # it always raises
+
     async def _authorize(self, context: grpc.aio.ServicerContext) -> dict[str, str]:
         metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
         try:
             self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
         except Unauthenticated as err:
-            await _abort(context, err, self.service.settings.routing_headers)
+            await self._abort(context, err)
         return metadata
 
     async def Generate(
@@ -149,7 +148,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
             except Unauthenticated as err:
                 request_log.refused_at_edge(request_id, ENDPOINT, err)
-                await _abort(context, err, self.service.settings.routing_headers)
+                await self._abort(context, err)
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
             with _span("Generate", request_id, metadata):
                 try:
@@ -173,7 +172,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                             yield _final(event, self.service.settings.routing_headers)
                 except GatewayError as err:
                     request_log.refused_at_edge(request_id, ENDPOINT, err)
-                    await _abort(context, err, self.service.settings.routing_headers)
+                    await self._abort(context, err)
 
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -198,7 +197,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             else:
                 ids = await run(self.service.tokenizer.encode_text, request.text)
         except GatewayError as err:
-            await _abort(context, err, self.service.settings.routing_headers)
+            await self._abort(context, err)
         return generate_pb2.TokenizeResponse(
             token_ids=ids, count=len(ids), max_model_len=self.service.pool.max_model_len()
         )

@@ -209,7 +209,7 @@ def _add_error_handlers(app: FastAPI, routing: bool) -> None:
         message, param = fmt.validation_message(err.errors())
         invalid = InvalidRequest(message, param=param)
         _refused(request, invalid)
-        return error_response(invalid)
+        return error_response(invalid, routing)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

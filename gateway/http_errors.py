@@ -40,7 +40,7 @@ def status_and_type(err: GatewayError) -> tuple[int, str]:
     return 500, "server_error"
 
 
-def error_response(err: GatewayError, routing: bool = True) -> JSONResponse:
+def error_response(err: GatewayError, routing: bool) -> JSONResponse:
     """``routing``: the deployment's ``routing_headers`` (off: no worker address is shown)."""
     status, kind = status_and_type(err)
     headers = {}

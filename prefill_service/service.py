@@ -45,7 +45,9 @@ class PrefillResult:
     phases: EnginePhases = field(default_factory=EnginePhases)
 
 
-def handoff_request_params(request_id: str, connector: str) -> dict[str, Any]:
+def handoff_request_params(
+    request_id: str, connector: str, salt: str | None = None, tier: bool = False
+) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields of a prefill request, shaped for the hand-off.
 
     - ``max_tokens=1`` and ``ignore_eos``: the request ends after its first token with
@@ -60,6 +62,7 @@ def handoff_request_params(request_id: str, connector: str) -> dict[str, Any]:
       nixl/base_scheduler.py:199-203).
     - no stop strings, logprobs or detokenization: nothing else can end or slow it.
     - with our connector, this service's request id as the release key (see the module doc).
+    - with a KV ``tier``, the request's cache ``salt`` as its LMCache chunk tag.
     """
     handoff: dict[str, Any] = {"do_remote_decode": True}
     if connector == "pdserve":
@@ -68,7 +71,7 @@ def handoff_request_params(request_id: str, connector: str) -> dict[str, Any]:
         "max_tokens": 1,
         "ignore_eos": True,
         "detokenize": False,
-        "extra_args": {"kv_transfer_params": handoff},
+        "extra_args": {"kv_transfer_params": salted_transfer_params(handoff, salt, tier)},
     }
 
 
@@ -108,11 +111,8 @@ class PrefillService(WorkerService):
                 f"prompt has {len(token_ids)} tokens; the model's context is "
                 f"{self.info.max_model_len} tokens"
             )
-        fields = handoff_request_params(request_id, self.connector)
         tier = self.settings.kv_tier != "off"
-        transfer = salted_transfer_params(fields["extra_args"]["kv_transfer_params"], salt, tier)
-        fields["extra_args"]["kv_transfer_params"] = transfer
-        params = SamplingParams(**fields)
+        params = SamplingParams(**handoff_request_params(request_id, self.connector, salt, tier))
         final = None
         prompt = engine_prompt(list(token_ids), salt)
         with self.counted():

@@ -45,3 +45,16 @@ def test_a_tier_keys_a_salted_requests_chunks_apart() -> None:
     other = key(salted_transfer_params(handoff, "b", tier=True))
     assert len({plain, salted, other}) == 3  # the same chunk of tokens, three keys
     assert salted == key(salted_transfer_params(handoff, "a", tier=True))
+
+
+def test_a_prefill_carries_the_salt_to_its_tier_only_with_a_tier() -> None:
+    from prefill_service.service import handoff_request_params
+
+    def transfer(salt: str | None, tier: bool) -> dict:
+        params = handoff_request_params("r", "pdserve", salt, tier)
+        return dict(params["extra_args"]["kv_transfer_params"])
+
+    assert transfer("a", True)[TIER_SALT_TAG] == "a"
+    assert TIER_SALT_TAG not in transfer("a", False)
+    assert TIER_SALT_TAG not in transfer(None, True)
+    assert transfer("a", True)["do_remote_decode"] is True
