@@ -72,7 +72,7 @@ model: $(STAMP)
 	$(BIN)/pdserve model prepare
 
 up: model
-	$(BIN)/pdserve up
+	$(BIN)/pdserve up --tool-call-parser hermes --enable-auto-tool-choice
 
 test: model deploy-tools
 	$(MAKE) --no-print-directory check-protos lint typecheck

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode
 
+from gateway.chat_parsing import ParserSettings
 from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config
 
 WorkerList = Annotated[list[str], NoDecode]
@@ -121,6 +122,21 @@ class GatewaySettings(BaseSettings):
         default="auto",
         description="sampling defaults for what a request leaves unset, as vLLM's flag: auto "
         "(the model's generation_config.json), vllm (none) or a directory holding one",
+    )
+    tool_call_parser: str = Field(
+        default="",
+        description="vLLM's tool-call parser of chat output, e.g. hermes (as vLLM's flag; "
+        "empty: none, and tool_choice other than none is a 400)",
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=False,
+        description="as vLLM's flag: tool_choice auto (the default with tools) lets the model "
+        "decide; needs tool_call_parser",
+    )
+    reasoning_parser: str = Field(
+        default="",
+        description="vLLM's reasoning parser of chat output, e.g. qwen3 (as vLLM's flag; "
+        "empty: none)",
     )
     picker: str = Field(
         default="auto",
@@ -238,6 +254,11 @@ class GatewaySettings(BaseSettings):
         from pdserve.model import resolve_model  # lazy: written separately, imports more
 
         return resolve_model(None)
+
+    def parsers(self) -> ParserSettings:
+        return ParserSettings(
+            self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice
+        )
 
     def model_name(self, model_dir: str) -> str:
         return self.served_model_name or Path(model_dir.rstrip("/")).name

@@ -18,6 +18,7 @@ import grpc
 
 from gateway import request_log
 from gateway.auth import ApiKeys
+from gateway.chat_parsing import parse_chat
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -71,20 +72,73 @@ def _span(method: str, request_id: str, metadata: dict[str, str]) -> Any:
     return tracing.span(full, attributes, kind="server", parent=tracing.extract(metadata))
 
 
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest(f"{param} is not JSON: {err}", param=param) from err
+
+
+def _message(m: generate_pb2.ChatMessage, index: int) -> dict[str, Any]:
+    """One message as OpenAI's JSON has it (what the chat template and vLLM's parsers read)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        calls = _json(m.tool_calls_json, f"chat.messages.{index}.tool_calls_json")
+        if not isinstance(calls, list):
+            raise InvalidRequest(
+                "tool_calls_json must be a JSON array", param=f"chat.messages.{index}"
+            )
+        message["tool_calls"] = calls
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
 def _messages(chat: generate_pb2.ChatMessages) -> tuple[dict[str, Any], ...]:
-    return tuple({"role": m.role, "content": m.content} for m in chat.messages)
+    return tuple(_message(m, i) for i, m in enumerate(chat.messages))
 
 
 def _tools(tools_json: str) -> tuple[dict[str, Any], ...] | None:
     if not tools_json:
         return None
-    try:
-        tools = json.loads(tools_json)
-    except ValueError as err:
-        raise InvalidRequest(f"tools_json is not JSON: {err}", param="tools_json") from err
+    tools = _json(tools_json, "tools_json")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidRequest("tools_json must be a JSON array of objects", param="tools_json")
     return tuple(tools)
+
+
+def _chat_body(request: generate_pb2.GenerateRequest, prompt: Prompt) -> dict[str, Any]:
+    """The chat request as OpenAI's JSON body, for vLLM's parsers (``gateway.chat_parsing``)."""
+    body: dict[str, Any] = {"messages": list(prompt.messages or ())}
+    if request.model:
+        body["model"] = request.model
+    if prompt.tools:
+        body["tools"] = list(prompt.tools)
+    if request.tool_choice_json:
+        body["tool_choice"] = _json(request.tool_choice_json, "tool_choice_json")
+    for name in ("parallel_tool_calls", "include_reasoning"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.params.HasField("skip_special_tokens"):
+        body["skip_special_tokens"] = request.params.skip_special_tokens
+    return body
+
+
+def _parsed(message: generate_pb2.GenerateResponse, delta: dict[str, Any] | None) -> None:
+    """A parsed delta (``ChoiceParser.delta``) into ``message``: content, reasoning, calls."""
+    delta = delta or {}
+    message.text = delta.get("content") or ""
+    message.reasoning = delta.get("reasoning") or ""
+    for call in delta.get("tool_calls") or ():
+        function = call.get("function") or {}
+        message.tool_calls.add(
+            index=call.get("index", 0),
+            id=call.get("id") or "",
+            name=function.get("name") or "",
+            arguments=function.get("arguments") or "",
+        )
 
 
 def _prompt(request: generate_pb2.GenerateRequest) -> Prompt:
@@ -152,27 +206,45 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
             with _span("Generate", request_id, metadata):
                 try:
-                    core = GenerateRequest(
-                        request_id,
-                        _prompt(request),
-                        request.params,
-                        request.model,
-                        ENDPOINT,
-                        deadline_s=context.time_remaining(),
-                    )
-                    generation = await self.service.start(core)
-                    async for event in generation.events():
-                        if isinstance(event, TokenDelta):
-                            yield generate_pb2.GenerateResponse(
-                                token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
-                            )
-                        else:
-                            routing = tuple(generation.routing_headers().items())
-                            context.set_trailing_metadata(routing)
-                            yield _final(event, self.service.settings.routing_headers)
+                    async for message in self._generate(request, request_id, context):
+                        yield message
                 except GatewayError as err:
                     request_log.refused_at_edge(request_id, ENDPOINT, err)
                     await self._abort(context, err)
+
+    async def _generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The call's messages; a chat's parsed by the gateway's parsers when it has them."""
+        prompt, params = _prompt(request), common_pb2.SamplingParams()
+        params.CopyFrom(request.params)
+        parsed = None
+        if prompt.messages is not None:
+            body = _chat_body(request, prompt)
+            parsed = await parse_chat(self.service.chat_parsing, self.service.offload, body, params)
+        core = GenerateRequest(
+            request_id, prompt, params, request.model, ENDPOINT, deadline_s=context.time_remaining()
+        )
+        generation = await self.service.start(core)
+        parser = None if parsed is None else parsed.choice(generation.token_ids)
+        async for event in generation.events():
+            if isinstance(event, TokenDelta):
+                message = generate_pb2.GenerateResponse(
+                    token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                )
+                if parser is not None:
+                    _parsed(message, parser.delta(event.text, event.token_ids, finished=False))
+                yield message
+                continue
+            context.set_trailing_metadata(tuple(generation.routing_headers().items()))
+            final = _final(event, self.service.settings.routing_headers)
+            if parser is not None:
+                _parsed(final, parser.delta("", (), finished=True))
+                final.finish_reason = parser.finish_reason(event.finish_reason)
+            yield final
 
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import openai_format as fmt
 from gateway import request_log
 from gateway.auth import ApiKeys
+from gateway.chat_parsing import ParsedChat, parse_chat
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
 from gateway.generation import Generation
@@ -126,15 +127,15 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
 
     @api.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        params = body.sampling_params()
+        # vLLM's request model reads the body as sent; without parsers only the tool fields
+        raw = await request.json() if service.chat_parsing else body.tool_fields()
+        parsed = await parse_chat(service.chat_parsing, service.offload, raw, params)
         parent = GenerateRequest(
-            _request_id(request),
-            body.to_prompt(),
-            body.sampling_params(),
-            body.model or "",
-            "chat_completions",
+            _request_id(request), body.to_prompt(), params, body.model or "", "chat_completions"
         )
         specs = choice_specs(parent, [parent.prompt], body.n)
-        return await _serve(service, request, specs, body, chat=True)
+        return await _serve(service, request, specs, body, chat=True, parsed=parsed)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -243,6 +244,7 @@ async def _serve(
     body: CompletionRequest | ChatCompletionRequest,
     *,
     chat: bool,
+    parsed: ParsedChat | None = None,
 ) -> Response:
     shaper = fmt.ChunkShaper(
         _request_id(request),
@@ -263,6 +265,7 @@ async def _serve(
         prompt_only=isinstance(body, CompletionRequest) and body.prompt_only,
         continuous_usage=body.continuous_usage,
         logprobs=body.logprobs_count(),
+        parsed=parsed,
     )
     if body.stream:
         return _GenerationStream(responder)

@@ -44,8 +44,6 @@ COMMON: dict[str, tuple[Any, str]] = {
 CHAT: dict[str, tuple[Any, str]] = {
     **COMMON,
     "reasoning_effort": (None, "reasoning is " + _LATER),
-    "include_reasoning": (True, "reasoning is " + _LATER),
-    "parallel_tool_calls": (True, "tool-call parsing is " + _LATER),
     "echo": (False, _LATER + " for chat"),
     "chat_template": (None, "a request's own chat template is " + _LATER),
     "media_io_kwargs": (None, "multimodal input is " + _LATER),
@@ -63,7 +61,6 @@ STRUCTURED: dict[str, tuple[Any, str]] = {
     "disable_any_whitespace": (False, _LATER),
     "disable_additional_properties": (False, _LATER),
     "whitespace_pattern": (None, _LATER),
-    "structural_tag": (None, _LATER),
 }
 
 

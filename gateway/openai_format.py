@@ -97,6 +97,7 @@ class ChoiceResult:
     logprobs: dict[str, Any] | None = None
     token_ids: Sequence[int] = ()  # generated
     prompt_token_ids: Sequence[int] = ()
+    message: dict[str, Any] | None = None  # a chat message built by vLLM's parsers
 
 
 class ChunkShaper:
@@ -173,18 +174,26 @@ class ChunkShaper:
         logprobs: dict[str, Any] | None,
         token_ids: Sequence[int] = (),
         prompt_token_ids: Sequence[int] | None = None,
+        parsed: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """``prompt_token_ids``: with ``return_token_ids``, on a completion choice's first
-        chunk."""
+        chunk; ``parsed``: a chat delta built by vLLM's parsers, in place of ``text``."""
         choice = self._choice(index, text, logprobs)
+        if parsed is not None:
+            choice["delta"] = parsed
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
             if prompt_token_ids is not None and not self.chat:
                 choice["prompt_token_ids"] = list(prompt_token_ids)
         return self._chunk([choice])
 
-    def finish(self, index: int, finish: Finish) -> dict[str, Any]:
+    def finish(
+        self, index: int, finish: Finish, parsed: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """``parsed``: what a chat's parsers flush at the end (e.g. a call's last arguments)."""
         choice = self._choice(index, None if self.chat else "", None, finish)
+        if parsed is not None:
+            choice["delta"] = parsed
         if self.return_token_ids:
             choice["token_ids"] = []
         return self._chunk([choice])
@@ -199,7 +208,7 @@ class ChunkShaper:
         for result in sorted(results, key=lambda r: r.index):
             choice: dict[str, Any] = {"index": result.index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
+                choice["message"] = result.message or {"role": "assistant", "content": result.text}
             else:
                 choice["text"] = result.text
             choice.update(

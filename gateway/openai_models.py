@@ -2,9 +2,9 @@
 translation to the core.
 
 Unknown fields are ignored, as vLLM does; vLLM's fields the gateway does not honour
-(``gateway.openai_fields``) and unsupported values (``suffix``, ``best_of`` > 1, ``tool_choice``
-"required" or a named function, non-text content parts) are refused with a 400 naming the
-field rather than silently dropped.
+(``gateway.openai_fields``) and unsupported values (``suffix``, ``best_of`` > 1, non-text
+content parts) are refused with a 400 naming the field rather than silently dropped. Tool
+choices are served as vLLM serves them, by the parsers of ``gateway.chat_parsing``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None  # xgrammar's structural tag, JSON text
 
 
 # The widths of the protobuf fields these travel in (SamplingParams): larger values are a 400.
@@ -201,11 +202,13 @@ def _structured_extra(extra: StructuredOutputs) -> common_pb2.StructuredOutput |
         "choice": extra.choice,
         "grammar": extra.grammar,
         "json_object": extra.json_object or None,
+        "structural_tag": extra.structural_tag,
     }
     chosen = [k for k, v in given.items() if v is not None]
     if len(chosen) > 1:
         raise InvalidRequest(
-            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+            "structural_tag",
             param="structured_outputs",
         )
     if not chosen:
@@ -221,6 +224,8 @@ def _structured_extra(extra: StructuredOutputs) -> common_pb2.StructuredOutput |
         return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=extra.choice))
     if extra.grammar is not None:
         return common_pb2.StructuredOutput(grammar=extra.grammar)
+    if extra.structural_tag is not None:
+        return common_pb2.StructuredOutput(structural_tag=extra.structural_tag)
     return common_pb2.StructuredOutput(json_object=True)
 
 
@@ -352,6 +357,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[FunctionTool] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -368,14 +375,48 @@ class ChatCompletionRequest(_Sampling):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
+        self._check_tools()
+
+    def tool_fields(self) -> dict[str, Any]:
+        return {"tools": self.tools, "tool_choice": self.tool_choice}
+
+    def _check_tools(self) -> None:
+        """vLLM's checks of ``tools`` and ``tool_choice`` (its messages); whether a tool choice
+        can be served depends on the gateway's parsers (``gateway.chat_parsing``)."""
+        if self.tools == []:
             raise InvalidRequest(
-                "tool_choice 'required' or a named function is not supported: the gateway does "
-                "not parse or force tool calls; use 'auto' or 'none'",
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely.",
+                param="tools",
+            )
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            return
+        if not self.tools:
+            raise InvalidRequest(
+                "When using `tool_choice`, `tools` must be set.", param="tool_choice"
+            )
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise InvalidRequest(
+                    f"Invalid value for `function`: `{function}` in `tool_choice`! Correct "
+                    'usage: `{"type": "function", "function": {"name": "my_function"}}`',
+                    param="tool_choice.function",
+                )
+            names = [t.function.get("name") for t in self.tools]
+            if function["name"] not in names:
+                raise InvalidRequest(
+                    "The tool specified in `tool_choice` does not match any of the specified "
+                    "`tools`",
+                    param="tool_choice",
+                )
+        elif choice not in ("auto", "required"):
+            raise InvalidRequest(
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", '
+                '"auto" or "required" are supported.',
                 param="tool_choice",
             )
-        if self.tool_choice == "auto" and not self.tools:
-            raise InvalidRequest("tool_choice 'auto' requires tools", param="tool_choice")
 
     def to_prompt(self) -> Prompt:
         messages = tuple(m.for_template(i) for i, m in enumerate(self.messages))

@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway import openai_format as fmt
+from gateway.chat_parsing import ChoiceParser, ParsedChat
 from gateway.errors import GatewayError, WorkerFailed, public_message
 from gateway.events import Finish, TokenDelta, Usage
 from gateway.fanout import ChoiceSpec, merged, total_usage
@@ -35,6 +36,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob | None] = field(default_factory=list)
     finish: Finish | None = None
+    parser: ChoiceParser | None = None  # vLLM's tool-call / reasoning parser of a chat choice
 
 
 class OpenAIResponder:
@@ -51,8 +53,11 @@ class OpenAIResponder:
         logprobs: int | None,
         prompt_only: bool = False,
         continuous_usage: bool = False,
+        parsed: ParsedChat | None = None,
     ) -> None:
-        """``continuous_usage``: every streamed chunk carries its choice's usage so far."""
+        """``continuous_usage``: every streamed chunk carries its choice's usage so far;
+        ``parsed``: a chat request whose choices vLLM's parsers read (``gateway.chat_parsing``).
+        """
         self.continuous_usage = continuous_usage
         self.service = service
         self.shaper = shaper
@@ -61,6 +66,9 @@ class OpenAIResponder:
             ChoiceState(s, g, echo, prompt_only) for s, g in zip(specs, generations, strict=True)
         ]
         self.generations = list(generations)
+        if parsed is not None:
+            for state in self.states:
+                state.parser = parsed.choice(state.generation.token_ids)
         self.logprobs = (
             None if logprobs is None else LogprobFormatter(service.tokenizer, top=logprobs)
         )
@@ -128,11 +136,16 @@ class OpenAIResponder:
                 logprobs[key].extend(values)
         elif generated is not None:
             logprobs = generated
+        finish, message = state.finish, None
+        if state.parser is not None:
+            message, reason = state.parser.message(text, state.token_ids, finish.finish_reason)
+            finish = replace(finish, finish_reason=reason)
         return fmt.ChoiceResult(
             state.spec.index,
             text,
-            state.finish,
+            finish,
             logprobs,
+            message=message,
             token_ids=state.token_ids,
             prompt_token_ids=state.generation.token_ids,
         )
@@ -151,7 +164,9 @@ class OpenAIResponder:
             async for position, event in merged(self.generations):
                 state = self.states[position]
                 if isinstance(event, Finish) or not state.prompt_only:
-                    yield fmt.sse(self._with_usage(self._stream_event(state, event), state))
+                    shaped = self._stream_event(state, event)
+                    if shaped is not None:
+                        yield fmt.sse(self._with_usage(shaped, state))
             if self.shaper.include_usage:
                 yield fmt.sse(self.shaper.usage_chunk(self.usage()))
         except GatewayError as err:
@@ -173,15 +188,32 @@ class OpenAIResponder:
             }
         return chunk
 
-    def _stream_event(self, state: ChoiceState, event: TokenDelta | Finish) -> dict[str, Any]:
+    def _stream_event(
+        self, state: ChoiceState, event: TokenDelta | Finish
+    ) -> dict[str, Any] | None:
+        """The chunk of one event; None: a parser holds the text back for now."""
+        parser = state.parser
         if isinstance(event, Finish):
             state.finish = event
-            return self.shaper.finish(state.spec.index, event)
+            if parser is None:
+                return self.shaper.finish(state.spec.index, event)
+            delta = parser.delta("", (), finished=True)
+            reason = parser.finish_reason(event.finish_reason)
+            return self.shaper.finish(
+                state.spec.index, replace(event, finish_reason=reason), delta or {}
+            )
         state.streamed += len(event.token_ids)
+        parsed = (
+            None if parser is None else parser.delta(event.text, event.token_ids, finished=False)
+        )
+        if parser is not None and parsed is None:
+            return None
         # A chunk for every delta, as vLLM sends: a token whose text is still incomplete (part
         # of a UTF-8 character) has an empty text, and leaving it out made a client see the
         # next token two steps late. (A delta has tokens or text: Generation._on_tokens.)
         logprobs = self._logprobs_of(state, event.token_ids, event.logprobs)
         prompt = None if state.prompt_ids_sent else state.generation.token_ids
         state.prompt_ids_sent = True
-        return self.shaper.delta(state.spec.index, event.text, logprobs, event.token_ids, prompt)
+        return self.shaper.delta(
+            state.spec.index, event.text, logprobs, event.token_ids, prompt, parsed
+        )

@@ -18,6 +18,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2
 
 from gateway.auth import ApiKeys
+from gateway.chat_parsing import load_parsing
 from gateway.config import GatewaySettings
 from gateway.discovery import RegistryDiscovery
 from gateway.grpc_api import SERVICE_NAME, GenerationServicer
@@ -117,6 +118,7 @@ class GatewayServer:
             from gateway.tokenizer import HfTokenizer
 
             self._tokenizer = HfTokenizer(model_dir)
+        chat_parsing = load_parsing(self.settings.parsers(), model_dir, self.pool.model_name)
         return GenerationService(
             self.settings,
             model_name=self.settings.model_name(model_dir),
@@ -128,6 +130,7 @@ class GatewayServer:
             ),
             metrics=self.metrics,
             offload=self.offload,
+            chat_parsing=chat_parsing,
         )
 
     async def start(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from decode_service.client import DecodeClient
 from gateway import request_log
+from gateway.chat_parsing import ChatParsing
 from gateway.config import GatewaySettings
 from gateway.errors import (
     GatewayError,
@@ -129,8 +130,11 @@ class GenerationService:
         picker: Picker,
         metrics: GatewayMetrics,
         offload: Offload | None = None,
+        chat_parsing: ChatParsing | None = None,
     ) -> None:
+        """``chat_parsing``: vLLM's tool-call and reasoning parsers, when configured."""
         self.settings = settings
+        self.chat_parsing = chat_parsing
         # Chat templates and tokenization run here, off the event loop (None: inline).
         self.offload = offload or Offload(0)
         self.model_name = model_name

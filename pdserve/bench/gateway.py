@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-redis", action="store_true",
                         help="no Redis: round-robin routing, no block hashing")  # fmt: skip
     parser.add_argument("--model", default="", help="model dir for the gateway's tokenizer")
+    parser.add_argument("--gateway-args", default="",
+                        help="more flags for the gateway, e.g. '--tool-call-parser hermes "
+                        "--enable-auto-tool-choice' (vLLM's parsers on every chat)")  # fmt: skip
     parser.add_argument("--tracing", choices=tuple(tracing_bench.ARMS), default="off",
                         help="off (default); on: gateway and fake workers export every span "
                         "over OTLP to a receiver started here; compare: one gateway of each, "
@@ -121,6 +125,7 @@ def start_gateway(
         command += ["--redis-url", redis_url]
     if args.prompt_threads is not None:
         command += ["--prompt-threads", str(args.prompt_threads)]
+    command += shlex.split(args.gateway_args)
     log = open(log_path, "ab")  # noqa: SIM115 (the child owns it)
     gateway = subprocess.Popen(
         command, env={**env, "PDSERVE_LOG_LEVEL": "WARNING"}, stdout=log,
@@ -137,6 +142,7 @@ class Stack:
     targets: dict[str, str]  # decode (direct), http and grpc (the gateway's)
     gateway_pid: int
     fakes_pid: int
+    start_s: float = 0.0  # from the gateway's start to its first healthy answer
 
 
 GATEWAY_ATTEMPTS = 3  # gateway starts tried, each on fresh ports
@@ -152,10 +158,12 @@ def start_stack(
         stack.processes.append(fakes)
         log = os.path.join(logs, "gateway.log" if args.tracing == "off" else f"gateway-{arm}.log")
         for attempt in range(1, GATEWAY_ATTEMPTS + 1):
+            started = time.monotonic()
             gateway, http, grpc = start_gateway(args, ports, redis_url, log, env)
             stack.processes.append(gateway)
             try:
                 wait_healthy(f"http://127.0.0.1:{http}", prefill=1, up=gateway, timeout_s=120)
+                stack.start_s = time.monotonic() - started
                 break
             except RuntimeError:
                 if gateway.poll() is None or attempt == GATEWAY_ATTEMPTS:
@@ -180,6 +188,18 @@ def process_cpu_s(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """The most memory a process has held so far (VmHWM), MiB; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def stop_processes(processes: list[subprocess.Popen[Any]]) -> None:
@@ -220,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         for arm in arms:
             stacks[arm] = start_stack(args, arm, envs[arm], redis.url if redis else "", logs)
         results, phases, prompt_tokens = asyncio.run(measure(args, stacks, paths))
+        gateways = {arm: {"start_s": s.start_s, "peak_rss_mib": peak_rss_mib(s.gateway_pid)}
+                    for arm, s in stacks.items()}  # fmt: skip
     finally:
         # Gateways first, then the fakes; each exports its last spans as it exits.
         stop_processes([p for stack in stacks.values() for p in reversed(stack.processes)])
@@ -230,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
             redis.stop()
     traced = tracing_bench.describe_tracing(args.tracing, args.trace_ratio, spans, receiver_cpu)
     report = build_report(args, machine, results, phases, prompt_tokens, traced)
+    report["gateway_process"] = gateways
     print_report(report)
     if args.json:
         with open(args.json, "w") as out:

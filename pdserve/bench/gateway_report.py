@@ -51,6 +51,8 @@ def command(args: argparse.Namespace) -> str:
             str(args.prompt_words)]  # fmt: skip
     if args.prompt_threads is not None:
         argv += ["--prompt-threads", str(args.prompt_threads)]
+    if args.gateway_args:
+        argv += ["--gateway-args", args.gateway_args]
     if args.no_redis:
         argv.append("--no-redis")
     if args.tracing != "off":
@@ -80,6 +82,7 @@ def build_report(
                    "interval_ms": args.interval_ms, "rounds": args.rounds,
                    "prompt_words": args.prompt_words, "prompt_tokens_mean": prompt_tokens,
                    "prompt_threads": args.prompt_threads, "redis": not args.no_redis,
+                   "gateway_args": args.gateway_args,
                    "tracing": args.tracing, "trace_ratio": args.trace_ratio},
     }  # fmt: skip
     if args.tracing == "compare":
@@ -128,6 +131,10 @@ def print_report(report: dict[str, Any]) -> None:
         return "-" if value is None else f"{value:.1f}"
 
     print(f"\n{describe(report['machine'])}\n{report['command']}")
+    for arm, process in report.get("gateway_process", {}).items():
+        rss = process["peak_rss_mib"]
+        print(f"gateway ({arm}): healthy {process['start_s']:.1f} s after its start, peak RSS "
+              f"{'-' if rss is None else f'{rss:.0f} MiB'}")  # fmt: skip
     if "arms" in report:
         rows = {f"{path} tracing {arm}": stats for path in GATEWAY_PATHS
                 for arm, paths in report["arms"].items()

@@ -80,6 +80,15 @@ class UpSettings(BaseSettings):
         description="the gateway's sampling defaults, as vLLM's flag: auto (the model's "
         "generation_config.json), vllm (none) or a directory holding one",
     )
+    tool_call_parser: str = Field(
+        "", description="the gateway's vLLM tool-call parser, e.g. hermes (empty: none)"
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="the gateway serves tool_choice auto (needs tool_call_parser)"
+    )
+    reasoning_parser: str = Field(
+        "", description="the gateway's vLLM reasoning parser, e.g. qwen3 (empty: none)"
+    )
     host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
     http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")
     grpc_port: int = Field(shared.GATEWAY_GRPC_PORT, description="gateway gRPC port")
@@ -264,6 +273,14 @@ def worker_spec(
     return ChildSpec(name, argv, env, ready, stop_stage=1, after=after)
 
 
+def parser_flags(s: UpSettings) -> list[str]:
+    """The gateway's flags for vLLM's chat output parsers."""
+    flags = ["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else []
+    if s.reasoning_parser:
+        flags += ["--reasoning-parser", s.reasoning_parser]
+    return flags + (["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else [])
+
+
 def gateway_spec(s: UpSettings) -> ChildSpec:
     prefill = [f"127.0.0.1:{s.prefill_port + i}" for i in range(s.prefill)]
     decode = [f"127.0.0.1:{s.decode_port + i}" for i in range(s.decode)]
@@ -271,6 +288,7 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
         "gateway", "--http-host", s.host, "--http-port", str(s.http_port),
         "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
         *(["--generation-config", s.generation_config] if s.generation_config != "auto" else []),
+        *parser_flags(s),
         # "=": an empty list (no prefill workers) stays an explicit empty value.
         "--prefill-workers=" + ",".join(prefill), "--decode-workers=" + ",".join(decode),
         *(["--redis-url", s.redis_url] if s.redis_url and not has_credentials(s.redis_url) else []),

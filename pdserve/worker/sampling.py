@@ -74,6 +74,8 @@ def _structured(spec: common_pb2.StructuredOutput) -> Any:
         return StructuredOutputsParams(choice=list(spec.choice.choices))
     if kind == "grammar":
         return StructuredOutputsParams(grammar=spec.grammar)
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=spec.structural_tag)
     return None
 
 

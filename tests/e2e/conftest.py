@@ -200,6 +200,8 @@ def cluster(
         # The shared KV tier (LMCache) in a private tier Redis, on every worker: the whole
         # suite runs with it (tests/e2e/test_kv_tier.py tests the tier itself).
         "--kv-tier", "redis", "--kv-tier-cpu-gib", "0.25", "--kv-tier-redis-gib", "1",
+        # vLLM's hermes tool-call parser in the gateway, as make up runs it (test_tools.py).
+        "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
     ]  # fmt: skip
     # Tracing the standard way, one environment for up and all its children (each names
     # itself); a short batch delay so that spans arrive while a test waits for them.

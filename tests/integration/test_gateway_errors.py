@@ -31,6 +31,9 @@ async def _post(base_url: str, path: str, body: Any, **kwargs: Any) -> httpx.Res
         return await http.post(path, json=body, **kwargs)
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -44,7 +47,9 @@ async def _post(base_url: str, path: str, body: Any, **kwargs: Any) -> httpx.Res
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
-        ({"messages": CHAT, "tool_choice": "required", "tools": []}, "tool_choice"),
+        ({"messages": CHAT, "tool_choice": "required", "tools": []}, "tools"),
+        ({"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": CHAT, "tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
         ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
         ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
         ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -59,8 +64,15 @@ async def _post(base_url: str, path: str, body: Any, **kwargs: Any) -> httpx.Res
         ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
         ({"messages": CHAT, "kv_transfer_params": {"remote_host": "x"}}, "kv_transfer_params"),
         (
-            {"messages": CHAT, "structured_outputs": {"regex": "a", "structural_tag": "t"}},
-            "structured_outputs.structural_tag",
+            {
+                "messages": CHAT,
+                "structured_outputs": {"regex": "a", "disable_any_whitespace": True},
+            },
+            "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            {"messages": CHAT, "structured_outputs": {"regex": "a", "structural_tag": "{}"}},
+            "structured_outputs",  # one kind at a time
         ),
         ({"messages": CHAT, "allowed_token_ids": []}, "allowed_token_ids"),
     ],
