@@ -131,9 +131,11 @@ def print_report(report: dict[str, Any]) -> None:
         return "-" if value is None else f"{value:.1f}"
 
     print(f"\n{describe(report['machine'])}\n{report['command']}")
-    for arm, process in report.get("gateway_process", {}).items():
+    processes = report.get("gateway_process", {})
+    for arm, process in processes.items():
         rss = process["peak_rss_mib"]
-        print(f"gateway ({arm}): healthy {process['start_s']:.1f} s after its start, peak RSS "
+        name = f"gateway (tracing {arm})" if len(processes) > 1 else "gateway"
+        print(f"{name}: healthy {process['start_s']:.1f} s after its start, peak RSS "
               f"{'-' if rss is None else f'{rss:.0f} MiB'}")  # fmt: skip
     if "arms" in report:
         rows = {f"{path} tracing {arm}": stats for path in GATEWAY_PATHS
