@@ -18,16 +18,18 @@ SERVICE_NAME = DECODE_SERVICE
 
 def to_chunk(event: DecodeEvent) -> worker_pb2.DecodeChunk:
     chunk = worker_pb2.DecodeChunk(token_ids=event.token_ids, text=event.text)
-    for token, logprob, top in event.logprobs:
+    for token, logprob, rank, top in event.logprobs:
         chunk.logprobs.add(
             token_id=token,
             logprob=logprob,
+            rank=rank,
             top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
         )
-    for token, logprob, top in event.prompt_logprobs:
+    for token, logprob, rank, top in event.prompt_logprobs:
         chunk.prompt_logprobs.add(
             token_id=token,
             logprob=logprob,
+            rank=rank,
             top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
         )
     if event.finish_reason:

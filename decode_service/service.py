@@ -56,12 +56,16 @@ log = logging.getLogger(__name__)
 RELEASED_KEPT = 4096
 
 
+# Per token: (token id, its logprob, its rank, the top alternatives as (id, logprob)).
+Logprobs = list[tuple[int, float, int, list[tuple[int, float]]]]
+
+
 @dataclass
 class DecodeEvent:
     token_ids: list[int]
     text: str
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    logprobs: Logprobs = field(default_factory=list)
+    prompt_logprobs: Logprobs = field(default_factory=list)
     finish_reason: str = ""
     stop_reason: str = ""  # the stop string that ended generation
     stop_token_id: int | None = None  # or the stop token
@@ -70,9 +74,6 @@ class DecodeEvent:
     cached_tokens: int = 0
     transfer: dict[str, Any] = field(default_factory=dict)
     phases: EnginePhases = field(default_factory=EnginePhases)
-
-
-Logprobs = list[tuple[int, float, list[tuple[int, float]]]]
 
 
 def _logprobs(completion: Any, start: int) -> Logprobs:
@@ -98,6 +99,7 @@ def _ranked(tokens: Any, per_token: Any) -> Logprobs:
             (
                 int(token),
                 float(chosen.logprob) if chosen else 0.0,
+                int(chosen.rank or 0) if chosen else 0,
                 [(int(t), float(lp.logprob)) for t, lp in top],
             )
         )

@@ -98,6 +98,7 @@ class ChoiceResult:
     token_ids: Sequence[int] = ()  # generated
     prompt_token_ids: Sequence[int] = ()
     message: dict[str, Any] | None = None  # a chat message built by vLLM's parsers
+    prompt_logprobs: list[Any] | None = None  # vLLM's, of a completion under echo
 
 
 class ChunkShaper:
@@ -220,6 +221,8 @@ class ChunkShaper:
                 choice["token_ids"] = list(result.token_ids)
                 if not self.chat:
                     choice["prompt_token_ids"] = list(result.prompt_token_ids)
+            if result.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = result.prompt_logprobs
             choices.append(choice)
         body: dict[str, Any] = {
             "id": self.id,

@@ -29,6 +29,29 @@ class LogprobFormatter:
     def _text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id)
 
+    def prompt(
+        self, token_ids: Sequence[int], entries: Sequence[common_pb2.TokenLogprob | None]
+    ) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` of a completion choice under ``echo`` with ``logprobs``:
+        per prompt token None (the first) or ``{token id: {"logprob", "rank",
+        "decoded_token"}}``, the token first, then the top alternatives."""
+        out: list[dict[str, Any] | None] = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            if entry is None:
+                out.append(None)
+                continue
+            top = list(entry.top[: self.top])  # ranked: the likeliest first
+            ranks = {t.token_id: i + 1 for i, t in enumerate(top)}
+            ranked = {token_id: (entry.logprob, ranks.get(token_id) or entry.rank or None)}
+            ranked |= {t.token_id: (t.logprob, ranks[t.token_id]) for t in top}
+            out.append(
+                {
+                    str(t): {"logprob": _lp(lp), "rank": rank, "decoded_token": self._text(t)}
+                    for t, (lp, rank) in ranked.items()
+                }
+            )
+        return out
+
     def completion(
         self,
         token_ids: Sequence[int],

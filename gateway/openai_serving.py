@@ -126,10 +126,12 @@ class OpenAIResponder:
         if state.finish is None:
             raise WorkerFailed("a generation ended without a finish")
         text = "".join(state.parts)
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if state.echo:
             prefix, logprobs = self._echo_delta(state)
             text = prefix + text
+            if self.logprobs is not None:
+                prompt_logprobs = self.logprobs.prompt(*self._echo_logprobs(state))
         generated = self._logprobs_of(state, state.token_ids, state.logprobs)
         if logprobs is not None and generated is not None:
             for key, values in generated.items():
@@ -146,6 +148,7 @@ class OpenAIResponder:
             finish,
             logprobs,
             message=message,
+            prompt_logprobs=prompt_logprobs,
             token_ids=state.token_ids,
             prompt_token_ids=state.generation.token_ids,
         )

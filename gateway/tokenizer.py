@@ -56,8 +56,10 @@ class HfTokenizer:
         self._tok: Any = TokenizersBackend.from_pretrained(model_dir)
         self.vocab_size = len(self._tok)
         self.eos_token_id: int | None = self._tok.eos_token_id
-        # Where vLLM truncates a prompt for truncate_prompt_tokens unless the request says
-        self.truncation_side: str = str(getattr(self._tok, "truncation_side", None) or "right")
+        # Where vLLM truncates a prompt for truncate_prompt_tokens unless the request says:
+        # vLLM loads a generative model's tokenizer with truncation_side="left" (whatever its
+        # tokenizer_config says), so the last tokens are kept.
+        self.truncation_side: str = "left"
         if not getattr(self._tok, "chat_template", None):
             log.warning("tokenizer in %s has no chat template: chat requests will fail", model_dir)
         self.encode_text("")  # settles truncation/padding before any thread encodes (above)

@@ -1,0 +1,274 @@
+"""The conformance battery: the same requests sent to plain ``vllm serve`` and to pdserve (same
+model, same dtype, vLLM's hermes tool parser on both), answers compared field by field.
+
+``answers(base_url)`` sends every case of ``BATTERY`` and keeps what came back; ``differences``
+compares two such answer sets after ``project`` has dropped what legitimately differs between
+two servers (ids, timestamps, the tool calls' random ids) and turned a stream into what a client
+assembles from it. The differences pdserve intends are listed in ``INTENDED`` with their reason
+(docs/api.md repeats them); anything else is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+TEXT = "The capital of France is"
+COLORS = [{"role": "user", "content": "Name three colors."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0}
+
+
+def _chat(**body: Any) -> dict[str, Any]:
+    return {"messages": COLORS, "max_tokens": 16, **GREEDY, **body}
+
+
+def _completion(**body: Any) -> dict[str, Any]:
+    return {"prompt": TEXT, "max_tokens": 16, **GREEDY, **body}
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# name -> (path, body without "model", or None for a GET)
+BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "chat": (CHAT, _chat()),
+    "chat_streamed": (CHAT, _chat(stream=True, stream_options={"include_usage": True})),
+    "chat_logprobs": (CHAT, _chat(logprobs=True, top_logprobs=2, max_tokens=6)),
+    "chat_stop": (CHAT, _chat(stop=["."], max_tokens=32)),
+    "chat_stop_token": (CHAT, _chat(stop_token_ids=[28], max_tokens=32)),
+    "chat_continue": (
+        CHAT,
+        _chat(
+            messages=[*COLORS, {"role": "assistant", "content": "Red, blue"}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        ),
+    ),
+    "chat_allowed_tokens": (CHAT, _chat(allowed_token_ids=[17, 28], max_tokens=5)),
+    "chat_bad_words": (CHAT, _chat(bad_words=["red", "Red"])),
+    "chat_n2_seeded": (CHAT, _chat(n=2, temperature=0.8, seed=11, max_tokens=8)),
+    "chat_json_schema": (
+        CHAT,
+        _chat(
+            max_tokens=32,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "c",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"color": {"type": "string"}},
+                        "required": ["color"],
+                    },
+                },
+            },
+        ),
+    ),
+    "chat_tool_required": (
+        CHAT,
+        _chat(
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=48,
+        ),
+    ),
+    "chat_tool_required_streamed": (
+        CHAT,
+        _chat(
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=48,
+            stream=True,
+        ),
+    ),
+    "chat_tool_named": (
+        CHAT,
+        _chat(
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=48,
+        ),
+    ),
+    "chat_tool_auto": (CHAT, _chat(messages=ASK, tools=[WEATHER])),
+    "completion": (COMPLETIONS, _completion()),
+    "completion_default_max_tokens": (COMPLETIONS, {"prompt": TEXT, **GREEDY}),
+    "completion_streamed": (COMPLETIONS, _completion(stream=True)),
+    "completion_logprobs": (COMPLETIONS, _completion(logprobs=2, max_tokens=6)),
+    "completion_echo_scoring": (COMPLETIONS, _completion(echo=True, max_tokens=0, logprobs=1)),
+    "completion_truncated": (
+        COMPLETIONS,
+        _completion(
+            prompt="one two three four five six seven eight nine ten " * 8,
+            truncate_prompt_tokens=20,
+        ),
+    ),
+    "completion_token_ids": (COMPLETIONS, _completion(prompt=[504, 3575, 282], max_tokens=8)),
+    "completion_return_token_ids": (COMPLETIONS, _completion(return_token_ids=True, max_tokens=4)),
+    "completion_too_long": (COMPLETIONS, _completion(max_tokens=10**6)),
+    "error_temperature": (CHAT, _chat(temperature=-1)),
+    "error_no_messages": (CHAT, {"max_tokens": 4}),
+    "error_tool_choice": (CHAT, _chat(tools=[WEATHER], tool_choice="sometimes")),
+    "error_unknown_model": (CHAT, {**_chat(), "model": "no-such-model"}),
+    "models": ("/v1/models", None),
+}
+
+# Differences pdserve means to have, each with its reason; the test fails on any other.
+# key: (case or "*", a path of the projection that differs)
+INTENDED: dict[tuple[str, str], str] = {
+    ("*", ".body.usage.prompt_tokens_details"): "pdserve always reports cached_tokens (the "
+    "prefix-cache hits of its workers); vLLM only with --enable-prompt-tokens-details",
+    ("*", ".stream.usage.prompt_tokens_details"): "as above, in a stream's usage",
+    ("*", ".error_type"): "OpenAI's error types (invalid_request_error, ...), which OpenAI "
+    "clients know; vLLM 0.32 writes exception names (BadRequestError, NotFoundError). The "
+    "status codes are the same",
+    ("models", ".body.data[0].owned_by"): "pdserve serves the model, not vllm serve",
+}
+
+
+async def answers(base_url: str, model: str) -> dict[str, Any]:
+    """Every case of the battery, sent one after the other: {name: {"status", "body"}} with
+    a stream's body the list of its events."""
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        for name, (path, body) in BATTERY.items():
+            if body is None:
+                response = await http.get(path)
+            else:
+                response = await http.post(path, json={"model": model, **body})
+            out[name] = {"status": response.status_code, "body": _body(response)}
+    return out
+
+
+def _body(response: httpx.Response) -> Any:
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        events = []
+        for block in response.text.split("\n\n"):
+            if block.startswith("data: "):
+                data = block[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return events
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+VOLATILE = {"id", "created", "system_fingerprint"}
+
+
+def project(answer: dict[str, Any]) -> dict[str, Any]:
+    """What a client reads from an answer: status, an error's type; a body without ids and
+    timestamps; a stream as the text, calls, finish and usage it assembles to; tool call ids
+    reduced to their presence."""
+    status, body = answer["status"], answer["body"]
+    if status != 200:
+        error = body.get("error", body) if isinstance(body, dict) else {}
+        return {"status": status, "error_type": error.get("type")}
+    if isinstance(body, list):
+        return {"status": status, "stream": _assembled(body)}
+    return {"status": status, "body": _stable(body)}
+
+
+def _stable(value: Any) -> Any:
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key not in VOLATILE:
+                out[key] = _stable(item)
+        if "function" in out and "type" in out and "id" in value:
+            out["id"] = bool(value["id"])  # a call's id: random on both servers
+        return out
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def _assembled(events: list[Any]) -> dict[str, Any]:
+    """A stream as a client assembles it, per choice index: text, reasoning, calls, the
+    finish; the last usage; whether it ended with [DONE]; the keys its chunks use."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    keys: set[str] = set()
+    for event in events:
+        if event == "[DONE]":
+            continue
+        keys |= {k for k, v in event.items() if v is not None and k not in VOLATILE}
+        usage = event.get("usage") or usage
+        for choice in event.get("choices") or []:
+            mine = choices.setdefault(
+                choice["index"],
+                {"text": "", "reasoning": "", "calls": {}, "finish": None, "stop_reason": None},
+            )
+            delta = choice.get("delta") or {}
+            mine["text"] += choice.get("text") or delta.get("content") or ""
+            mine["reasoning"] += delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or []:
+                entry = mine["calls"].setdefault(str(call["index"]), {"name": "", "args": ""})
+                function = call.get("function") or {}
+                entry["name"] += function.get("name") or ""
+                entry["args"] += function.get("arguments") or ""
+            mine["finish"] = choice.get("finish_reason") or mine["finish"]
+            mine["stop_reason"] = choice.get("stop_reason") or mine["stop_reason"]
+    return {
+        "choices": choices,
+        "usage": usage,
+        "done": events[-1:] == ["[DONE]"],
+        "keys": sorted(keys),
+    }
+
+
+def differences(reference: Any, ours: Any, path: str = "") -> list[str]:
+    """Where ``ours`` differs from ``reference`` (floats within 0.01: two engines, one with
+    KV moved in)."""
+    if isinstance(reference, dict) and isinstance(ours, dict):
+        found = []
+        for key in sorted(set(reference) | set(ours), key=str):
+            if reference.get(key) is None and ours.get(key) is None:
+                continue  # absent or null: a client reads None from either
+            if key not in ours:
+                found.append(f"{path}.{key}: missing (vllm serve: {_short(reference[key])})")
+            elif key not in reference:
+                found.append(f"{path}.{key}: extra ({_short(ours[key])})")
+            else:
+                found += differences(reference[key], ours[key], f"{path}.{key}")
+        return found
+    if isinstance(reference, list) and isinstance(ours, list):
+        if len(reference) != len(ours):
+            return [f"{path}: {len(ours)} items, vllm serve {len(reference)}"]
+        return [d for i, (a, b) in enumerate(zip(reference, ours, strict=True)) for d in
+                differences(a, b, f"{path}[{i}]")]  # fmt: skip
+    if isinstance(reference, float) and isinstance(ours, (float, int)):
+        return [] if abs(reference - ours) <= 0.01 else [f"{path}: {ours} vs {reference}"]
+    if reference != ours:
+        return [f"{path}: {_short(ours)} vs vllm serve {_short(reference)}"]
+    return []
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def intended(case: str, difference: str) -> bool:
+    """Whether ``difference`` (a line of ``differences``) is one of ``INTENDED``."""
+    return any((c in ("*", case)) and difference.startswith(path) for c, path in INTENDED)
