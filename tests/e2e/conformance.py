@@ -42,6 +42,9 @@ def _completion(**body: Any) -> dict[str, Any]:
     return {"prompt": TEXT, "max_tokens": 16, **GREEDY, **body}
 
 
+REQUIRED = _chat(
+    messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=48
+)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 # name -> (path, body without "model", or None for a GET)
@@ -79,27 +82,8 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
             },
         ),
     ),
-    "chat_tool_required": (
-        CHAT,
-        _chat(
-            messages=ASK,
-            tools=[WEATHER],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            max_tokens=48,
-        ),
-    ),
-    "chat_tool_required_streamed": (
-        CHAT,
-        _chat(
-            messages=ASK,
-            tools=[WEATHER],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            max_tokens=48,
-            stream=True,
-        ),
-    ),
+    "chat_tool_required": (CHAT, REQUIRED),
+    "chat_tool_required_streamed": (CHAT, {**REQUIRED, "stream": True}),
     "chat_tool_named": (
         CHAT,
         _chat(
