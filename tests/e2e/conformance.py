@@ -10,10 +10,19 @@ assembles from it. The differences pdserve intends are listed in ``INTENDED`` wi
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from pdserve.bench.systems import _wait_http, child_process, monolith_argv
+from tests.e2e.cases import DTYPE
+from tests.helpers import model_dir, served_name
+
+SERVE_ARGS = f"--dtype {DTYPE} --tool-call-parser hermes --enable-auto-tool-choice"
 
 TEXT = "The capital of France is"
 COLORS = [{"role": "user", "content": "Name three colors."}]
@@ -127,6 +136,23 @@ INTENDED: dict[tuple[str, str], str] = {
     "status codes are the same",
     ("models", ".body.data[0].owned_by"): "pdserve serves the model, not vllm serve",
 }
+
+
+def vllm_serve_battery(log: Path, port: int) -> dict[str, Any]:
+    """The battery's answers from plain ``vllm serve`` on ``port`` (pdserve's CPU engine
+    arguments, the e2e dtype, vLLM's hermes parser), started and stopped here."""
+    from pdserve.worker.engine import cpu_engine_env
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cpu_engine_env(env)
+    argv = monolith_argv(model_dir(), served_name(), port, engine_args=SERVE_ARGS)
+    with child_process(argv, env, log) as process:
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health", process, 600, "vllm serve")
+        except RuntimeError as err:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{err}:\n{tail}") from err
+        return asyncio.run(answers(f"http://127.0.0.1:{port}", served_name()))
 
 
 async def answers(base_url: str, model: str) -> dict[str, Any]:

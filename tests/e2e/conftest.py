@@ -22,7 +22,9 @@ import psutil
 import pytest
 
 from pdserve.telemetry import otlp_receiver
+from tests.e2e.api_cases import CASES as API_CASES
 from tests.e2e.cases import DTYPE, cases, fill_cases, tier_cases
+from tests.e2e.conformance import vllm_serve_battery
 from tests.helpers import model_dir
 
 STARTUP_TIMEOUT_S = 600
@@ -66,6 +68,20 @@ def run_reference(
             str(tmp / "cases.json"), str(tmp / "out.json"), DTYPE]  # fmt: skip
     subprocess.run(argv, check=True, timeout=timeout_s)
     return dict(json.loads((tmp / "out.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def api_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The API-surface cases (tests/e2e/api_cases.py) on one monolithic engine."""
+    return run_reference("api_reference.py", API_CASES, tmp_path_factory, 600)
+
+
+@pytest.fixture(scope="session")
+def vllm_serve_answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The conformance battery's answers from plain ``vllm serve`` (tests/e2e/conformance.py),
+    started and stopped here."""
+    log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
+    return vllm_serve_battery(log, free_port_run(1))
 
 
 @dataclass
@@ -188,11 +204,15 @@ def traces() -> Iterator[otlp_receiver.Receiver]:
 @pytest.fixture(scope="session")
 def cluster(
     reference: dict[str, Any],
+    api_reference: dict[str, Any],
+    vllm_serve_answers: dict[str, Any],
     traces: otlp_receiver.Receiver,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RealCluster]:
     """2 prefill + 2 decode workers with the KV tier in a private Redis, and the gateway,
-    started by ``pdserve up``.
+    started by ``pdserve up``. The monolithic references (and ``vllm serve``) run before it
+    starts, whichever test asks first: a 2-core, 24 GiB machine has no memory for one of them
+    beside the cluster.
 
     Conditional disaggregation is off (threshold 0), so every request moves KV blocks. Every
     process exports traces to ``traces``."""
