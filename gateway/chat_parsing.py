@@ -147,19 +147,22 @@ class ChatParsing:
             raise InvalidRequest(str(errors[0]["msg"]), param=loc) from err
         except ValueError as err:
             raise InvalidRequest(str(err), param=getattr(err, "parameter", None)) from err
-        kwargs = request.chat_template_kwargs or {}
-        tool_choice = request.tool_choice
         if (
             self.parser_cls.always_adjust_request
             or self.parser_cls.reasoning_parser_cls is not None
-            or (tool_choice or "none") != "none"
+            or (request.tool_choice or "none") != "none"
         ):
             try:
-                parser = self.parser_cls(self.tokenizer, request.tools, chat_template_kwargs=kwargs)
-                request = parser.adjust_request(request)
+                request = self.parser(request).adjust_request(request)
             except ValueError as err:
                 raise InvalidRequest(str(err), param="tool_choice") from err
         return ParsedChat(self, request)
+
+    def parser(self, request: Any) -> Any:
+        """A new vLLM ``Parser`` for ``request`` (vLLM's validated request): its tools, its
+        template kwargs."""
+        kwargs = request.chat_template_kwargs or {}
+        return self.parser_cls(self.tokenizer, request.tools, chat_template_kwargs=kwargs)
 
 
 class ParsedChat:
@@ -191,15 +194,10 @@ class ChoiceParser:
     """One vLLM ``Parser`` for one choice: it keeps the stream's state between deltas."""
 
     def __init__(self, chat: ParsedChat, prompt_token_ids: Sequence[int]) -> None:
-        parsing = chat.parsing
         self.chat = chat
         self.request = chat.request
         self.prompt_token_ids = list(prompt_token_ids)
-        self.parser = parsing.parser_cls(
-            parsing.tokenizer,
-            self.request.tools,
-            chat_template_kwargs=self.request.chat_template_kwargs or {},
-        )
+        self.parser = chat.parsing.parser(self.request)
         self.parser.set_prompt_token_ids(self.prompt_token_ids)
         self.tools_streamed = False
 
