@@ -15,6 +15,8 @@ from protos.v1 import common_pb2
 
 PATH_DISAGGREGATED = "disaggregated"
 PATH_LOCAL = "local"
+# a further choice of an n > 1 request, from its first choice's KV on the same decode worker
+PATH_SIBLING = "sibling"
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Finish:
     # The stop string (str) or stop token id (int) that ended generation; None: neither.
     stop_reason: str | int | None
     usage: Usage
-    path: str  # PATH_DISAGGREGATED or PATH_LOCAL
+    path: str  # PATH_DISAGGREGATED, PATH_LOCAL or PATH_SIBLING
     prefill_worker: str  # address, or "local"
     decode_worker: str
     transfer: common_pb2.TransferStats

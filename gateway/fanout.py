@@ -1,7 +1,8 @@
 """Many generations for one client request: OpenAI's ``n`` and lists of prompts.
 
-Each choice is an independent generation with its own route (prefill and decode worker) and a
-request id derived from the client's (``<id>-<index>``; the bare id when there is one choice).
+Each choice is a generation with a request id derived from the client's (``<id>-<index>``; the
+bare id when there is one choice). The choices of one prompt share its tokenization, route,
+prefill and KV transfer (``GenerationService.start_choices``).
 With a ``seed``, choice ``j`` of a prompt samples with ``seed + j`` (as vLLM's parallel sampling
 does), so that ``n`` seeded choices differ. Usage counts each prompt once, however many choices
 it has, and sums the completions.
@@ -44,18 +45,30 @@ def choice_specs(parent: GenerateRequest, prompts: Sequence[Prompt], n: int) -> 
 
 
 async def start_all(service: GenerationService, specs: Sequence[ChoiceSpec]) -> list[Generation]:
-    """Start every choice; if one fails, the others are released and the error raised."""
-    tasks = [asyncio.ensure_future(service.start(s.request)) for s in specs]
+    """Start every choice, the choices of each prompt together (``start_choices``: one
+    prefill per prompt); if one fails, the others are released and the error raised."""
+    groups: dict[int, list[ChoiceSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.prompt_index, []).append(spec)
+    tasks = [
+        asyncio.ensure_future(service.start_choices([s.request for s in group]))
+        for group in groups.values()
+    ]
     try:
-        return list(await asyncio.gather(*tasks))
+        started = await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for task in tasks:
             if not task.cancelled() and task.exception() is None:
-                await task.result().aclose()
+                await close_all(task.result())
         raise
+    by_index = {
+        s.index: g for group, gens in zip(groups.values(), started, strict=True)
+        for s, g in zip(group, gens, strict=True)
+    }  # fmt: skip
+    return [by_index[s.index] for s in specs]
 
 
 async def close_all(generations: Sequence[Generation]) -> None:

@@ -30,6 +30,7 @@ from gateway.errors import GatewayError, InvalidRequest, WorkerFailed, WorkerTim
 from gateway.events import (
     PATH_DISAGGREGATED,
     PATH_LOCAL,
+    PATH_SIBLING,
     Event,
     Finish,
     TokenDelta,
@@ -73,7 +74,10 @@ class Generation:
         on_end: Callable[[], None] | None = None,
         deadline_s: float | None = None,
         edge_id: str = "",
+        sibling: bool = False,
     ) -> None:
+        """``sibling``: a further choice of an ``n > 1`` request, computed by its first
+        choice's decode worker from that engine's prefix cache (path "sibling")."""
         self.request_id = request_id  # the first attempt's id; retries get fresh ones
         self.edge_id = edge_id or request_id  # the client's id (logged, never sent to workers)
         self.trace_id = tracing.current_trace_id()  # the request's trace (for the request log)
@@ -83,6 +87,8 @@ class Generation:
         self.decode = route.decode
         self.prefill = route.prefill
         self.path = PATH_DISAGGREGATED if route.prefill else PATH_LOCAL
+        if sibling:
+            self.path = PATH_SIBLING
         self.phase = Phase.ADMITTED
         self._received_at = received_at
         self._settings = settings

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,18 @@ class GenerateRequest:
     deadline_s: float | None = None
 
 
+async def _all_or_none(opens: Sequence[Awaitable[None]]) -> None:
+    """Run ``opens`` together; when one fails, the others are cancelled and the error raised."""
+    tasks = [asyncio.ensure_future(o) for o in opens]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     id: str
@@ -161,56 +173,95 @@ class GenerationService:
             yield event
 
     async def start(self, request: GenerateRequest) -> Generation:
+        return (await self.start_choices([request]))[0]
+
+    async def start_choices(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
+        """The choices of one prompt (OpenAI's ``n``; ``requests`` differ only in their ids
+        and seeds): one admission of all of them, one tokenization, one route.
+
+        The first choice is prefilled and its KV moved as any request's; the others start on
+        its decode worker once its first token shows the prompt's KV is in that engine, which
+        serves them from its prefix cache (path "sibling"): ``n`` choices cost one prefill
+        and one KV transfer. If any choice fails to start, the others are released."""
+        lead = requests[0]
+        slots = 0  # reserved in admission and not yet handed to a generation
         token_ids: list[int] | None = None
-        reserved = False
         try:
             with tracing.step("admission"):
-                self._check_model(request.model)
+                self._check_model(lead.model)
                 # the request's values, else the model's generation config (as vLLM)
-                sampling = with_defaults(request.params, self.sampling_defaults)
-                check_sampling(sampling)
-                self._admit()
-                # The slot is taken at admission, not after the awaits below: a burst cannot
-                # pass max_concurrent_requests (the generation gives it back when it ends).
-                self.active += 1
-                reserved = True
+                sampling = [with_defaults(r.params, self.sampling_defaults) for r in requests]
+                for s in sampling:
+                    check_sampling(s)
+                self._admit(len(requests))
+                # The slots are taken at admission, not after the awaits below: a burst cannot
+                # pass max_concurrent_requests (each generation gives its slot back at its end).
+                self.active += len(requests)
+                slots = len(requests)
             with tracing.step("tokenize") as span:
-                token_ids = await self.offload.run(self.tokenize, request.prompt)
-                if request.prompt.truncate is not None:
+                token_ids = await self.offload.run(self.tokenize, lead.prompt)
+                if lead.prompt.truncate is not None:
                     token_ids = truncate_prompt(
                         token_ids,
-                        request.prompt.truncate,
-                        request.prompt.truncation_side or self.tokenizer.truncation_side,
+                        lead.prompt.truncate,
+                        lead.prompt.truncation_side or self.tokenizer.truncation_side,
                         self.pool.max_model_len(),
                     )
                 span.set_attribute("pdserve.prompt_tokens", len(token_ids))
-            params = resolve_max_tokens(
-                sampling,
-                len(token_ids),
-                self.pool.max_model_len(),
-                self.settings.default_max_tokens,
-                prompt_param="messages" if request.prompt.messages is not None else "prompt",
-            )
+            params = [
+                resolve_max_tokens(
+                    s,
+                    len(token_ids),
+                    self.pool.max_model_len(),
+                    self.settings.default_max_tokens,
+                    prompt_param="messages" if lead.prompt.messages is not None else "prompt",
+                )
+                for s in sampling
+            ]
             with tracing.step("route") as span:
-                route = await self._route(request, token_ids, params)
+                route = await self._route(lead, token_ids, params[0])
                 if span.is_recording():
                     span.set_attributes(route_attributes(self.picker.name, route))
         except BaseException as err:
-            if reserved:
-                self.active -= 1
+            self.active -= slots
             if not isinstance(err, GatewayError | asyncio.CancelledError):
                 raise
             outcome = outcome_for(err) if isinstance(err, GatewayError) else "cancelled"
-            self.metrics.requests.labels(request.endpoint, "none", outcome).inc()
+            self.metrics.requests.labels(lead.endpoint, "none", outcome).inc(len(requests))
             prompt_tokens = None if token_ids is None else len(token_ids)
             request_log.refused(
-                request.request_id, request.endpoint, outcome,
-                received_at=request.received_at, prompt_tokens=prompt_tokens,
+                lead.request_id, lead.endpoint, outcome,
+                received_at=lead.received_at, prompt_tokens=prompt_tokens,
             )  # fmt: skip
             raise
+        generations: list[Generation] = []
+        try:
+            slots -= 1
+            generations.append(self._generation(lead, token_ids, params[0], route))
+            await self._open(generations[0])
+            sibling = Route(prefill=None, decode=generations[0].decode)
+            for request, p in zip(requests[1:], params[1:], strict=True):
+                slots -= 1
+                generations.append(self._generation(request, token_ids, p, sibling, True))
+            await _all_or_none([self._open(g) for g in generations[1:]])
+        except BaseException:
+            self.active -= slots
+            for generation in generations:
+                await generation.aclose()
+            raise
+        return generations
+
+    def _generation(
+        self,
+        request: GenerateRequest,
+        token_ids: list[int],
+        params: common_pb2.SamplingParams,
+        route: Route,
+        sibling: bool = False,
+    ) -> Generation:
         internal_id = internal_request_id()
         log.debug("request %s: internal id %s", request.request_id, internal_id)
-        generation = Generation(
+        return Generation(
             request_id=internal_id,
             endpoint=request.endpoint,
             token_ids=token_ids,
@@ -224,7 +275,11 @@ class GenerationService:
             on_end=self._ended,
             deadline_s=request.deadline_s,
             edge_id=request.request_id,
+            sibling=sibling,
         )
+
+    @staticmethod
+    async def _open(generation: Generation) -> None:
         try:
             await generation.open()
         except asyncio.CancelledError:
@@ -233,13 +288,12 @@ class GenerationService:
         except GatewayError as err:
             generation.abandon(outcome_for(err))
             raise
-        return generation
 
-    def _admit(self) -> None:
+    def _admit(self, choices: int = 1) -> None:
         """Admission control: 429 instead of piling work on a gateway or workers at their
-        limit (every rejection is counted by reason)."""
+        limit (every rejection is counted by reason); ``choices`` slots are asked for."""
         limit = self.settings.max_concurrent_requests
-        if limit and self.active >= limit:
+        if limit and self.active + choices > limit:
             self._reject(
                 "gateway_limit",
                 f"the gateway is at its limit of {limit} concurrent generations; retry later",

@@ -108,6 +108,17 @@ class RealCluster:
         )
 
 
+def metric_sum(cluster: RealCluster, name: str, label: str = "") -> float:
+    """The sum of the gateway's ``name`` samples whose labels contain ``label``, now."""
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name) and label in line
+    )
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.cli.client import GatewayClient
 from tests.e2e.api_cases import COLORS, CONTINUE, JSON_ASK, PREFILLED, SCHEMA, TEXT
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import RealCluster, metric_sum
 from tests.helpers import model_dir, served_name
 
 LOGPROB_TOLERANCE = 0.05
@@ -191,6 +191,38 @@ def test_chat_parameters_sync_and_streaming(
     assert text == api_reference["min_tokens"]["text"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
     assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_n_choices_cost_one_prefill_and_one_kv_transfer(cluster: RealCluster) -> None:
+    """n = 4: the prompt is prefilled once and its KV moved once; the first choice's decode
+    worker serves the other three from its prefix cache (the gateway's own counters)."""
+    facts = " ".join(f"Fact {k}: the lighthouse keeper lit lamp number {k * 7}." for k in range(40))
+    prompt = f"{facts} The keeper's favourite lamp was"
+
+    def counts() -> tuple[float, ...]:
+        return (
+            metric_sum(cluster, "pdserve_gateway_prefill_seconds_count"),
+            metric_sum(cluster, "pdserve_gateway_kv_transfer_seconds_count"),
+            metric_sum(cluster, "pdserve_gateway_requests_total", 'path="disaggregated"'),
+            metric_sum(cluster, "pdserve_gateway_requests_total", 'path="sibling"'),
+        )
+
+    client = _openai(cluster)
+    single = client.completions.create(
+        model=served_name(), prompt=prompt, max_tokens=12, temperature=0
+    )
+    before = counts()
+    many = client.completions.create(
+        model=served_name(), prompt=prompt, n=4, max_tokens=12, temperature=0
+    )
+    after = counts()
+    prefills, transfers, disaggregated, siblings = (
+        b - a for a, b in zip(before, after, strict=True)
+    )
+    assert (prefills, transfers, disaggregated, siblings) == (1, 1, 1, 3)
+    assert [c.text for c in many.choices] == [single.choices[0].text] * 4
+    assert many.usage is not None and single.usage is not None
+    assert many.usage.prompt_tokens == single.usage.prompt_tokens > 3 * 128  # full blocks
 
 
 async def test_async_client_streams_n_choices_with_tools(

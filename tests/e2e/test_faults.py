@@ -24,7 +24,13 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import DECODE_WORKERS, PREFILL_WORKERS, RealCluster, pid_on_port
+from tests.e2e.conftest import (
+    DECODE_WORKERS,
+    PREFILL_WORKERS,
+    RealCluster,
+    metric_sum,
+    pid_on_port,
+)
 from tests.helpers import served_name
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(2400)]
@@ -122,16 +128,6 @@ def whole(cluster: RealCluster) -> bool:
     return bool(
         h["healthy_prefill_workers"] == PREFILL_WORKERS
         and h["healthy_decode_workers"] == DECODE_WORKERS
-    )
-
-
-def metric_sum(cluster: RealCluster, name: str, label: str = "") -> float:
-    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(name) and label in line
     )
 
 

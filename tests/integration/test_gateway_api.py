@@ -18,7 +18,7 @@ ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
-async def test_n_and_prompt_lists_fan_out_with_derived_request_ids() -> None:
+async def test_n_and_prompt_lists_fan_out_one_prefill_per_prompt() -> None:
     async with gateway_cluster() as c:
         client = c.openai()
         response = await client.completions.with_raw_response.create(
@@ -32,7 +32,12 @@ async def test_n_and_prompt_lists_fan_out_with_derived_request_ids() -> None:
     request_id = response.headers["x-request-id"]
     ids = {r.request_id for r in c.decode.seen.requests}
     assert len(ids) == 4 and not any(request_id in i for i in ids)  # the gateway's own, each
-    assert ids == {r.request_id for r in c.prefill.seen.requests}
+    # one prefill per prompt: its first choice; the others decode on the same worker from
+    # its cache (no hand-off)
+    prefilled = {r.request_id for r in c.prefill.seen.requests}
+    assert len(prefilled) == 2 and prefilled < ids
+    handed = {r.request_id for r in c.decode.seen.requests if r.HasField("kv_transfer_params")}
+    assert handed == prefilled
     seeds = sorted(r.params.seed for r in c.decode.seen.requests)
     assert seeds == [5, 5, 6, 6]  # choice j of a prompt samples with seed + j
     prompt_tokens = len(tokenizer().encode_text("One")) + len(tokenizer().encode_text("Two words"))
@@ -277,6 +282,31 @@ async def test_a_burst_cannot_pass_max_concurrent_requests() -> None:
     assert 'pdserve_gateway_rejected_total{reason="gateway_limit"} 6.0' in metrics
 
 
+async def test_every_choice_takes_a_slot_and_a_burst_of_n_cannot_pass_the_limit() -> None:
+    """n = 2 takes two slots at once: with a limit of 5, two of four such requests fit."""
+    async with (
+        gateway_cluster(decode=GatedDecode(free=1), max_concurrent_requests=5) as c,
+        httpx.AsyncClient(base_url=c.base_url, timeout=60) as http,
+    ):
+        body = {"prompt": "x " * 200, "max_tokens": 4, "n": 2}
+        burst = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(4)]
+        assert isinstance(c.decode, GatedDecode)
+        # each request is either answered (refused) or has both choices at the decode worker
+        while 2 * sum(f.done() for f in burst) + len(c.decode.seen.requests) < 2 * len(burst):
+            await asyncio.sleep(0.01)
+        assert c.gateway.service is not None and c.gateway.service.active == 4
+        c.decode.gate.set()
+        codes = sorted(r.status_code for r in await asyncio.gather(*burst))
+        metrics = (await http.get("/metrics")).text
+    assert codes == [200, 200, 429, 429], codes
+    assert len(c.decode.seen.requests) == 4
+    assert 'pdserve_gateway_rejected_total{reason="gateway_limit"} 2.0' in metrics
+    assert (
+        'pdserve_gateway_requests_total{endpoint="completions",outcome="ok",path="sibling"} 2.0'
+        in metrics
+    )
+
+
 async def test_openapi_describes_every_route_and_errors() -> None:
     async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
         doc = (await http.get("/openapi.json")).json()
@@ -285,6 +315,8 @@ async def test_openapi_describes_every_route_and_errors() -> None:
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/tokenize",
         "/detokenize",
         "/health",
@@ -312,12 +344,13 @@ async def test_disconnect_mid_stream_aborts_every_choice_on_every_worker() -> No
         assert len(set(expected)) == 3 and request_id not in expected
         assert c.prefill is not None
         for _ in range(100):
-            if len(decode.seen.aborts) == 3 and len(c.prefill.seen.aborts) == 3:
+            if len(decode.seen.aborts) == 3 and len(c.prefill.seen.aborts) == 1:
                 break
             await asyncio.sleep(0.05)
         assert c.gateway.service is not None and c.gateway.service.active == 0
+        prefilled = [r.request_id for r in c.prefill.seen.requests]  # the first choice only
     assert sorted(decode.seen.aborts) == expected
-    assert sorted(c.prefill.seen.aborts) == expected
+    assert c.prefill.seen.aborts == prefilled and prefilled[0] in expected
 
 
 async def test_a_generation_config_gives_the_workers_its_defaults(tmp_path: Any) -> None:
