@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): translation only, the work is in the core.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``stream: true`` SSE),
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API, by vLLM's
+conversion: ``gateway.anthropic_api``),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``
 and the OpenAPI document at ``/openapi.json``. Every response carries ``x-request-id`` (the
 client's, when sane, else a new one). Errors are OpenAI-shaped JSON
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from importlib import metadata
 from typing import Annotated, Any, TypeVar
 
@@ -21,12 +23,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openai_format as fmt
 from gateway import request_log
+from gateway.anthropic_api import AnthropicApi, AnthropicLoader
 from gateway.auth import ApiKeys
 from gateway.chat_parsing import ParsedChat, parse_chat
 from gateway.errors import GatewayError, InvalidRequest
@@ -49,7 +53,9 @@ UNTRACED_PATHS = frozenset({"/health", "/metrics"})
 GENERATION_ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat_completions",
+    "/v1/messages": "messages",
 }
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 _bearer = HTTPBearer(auto_error=False, description="an API key, when the gateway has keys")
 
 
@@ -137,6 +143,43 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         specs = choice_specs(parent, [parent.prompt], body.n)
         return await _serve(service, request, specs, body, chat=True, parsed=parsed)
 
+    anthropic = AnthropicLoader(service.tokenizer.chat_template)
+
+    @api.post("/v1/messages", response_model=None)
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API: vLLM's conversion to and from a chat completion."""
+        converter = await anthropic.get()
+        raw = await _json_body(request)
+        chat = converter.chat_body(raw)
+        try:
+            body = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as err:
+            message, param = fmt.validation_message(err.errors())
+            raise InvalidRequest(message, param=param) from err
+        params = body.sampling_params()
+        parsed = await parse_chat(service.chat_parsing, service.offload, chat, params)
+        parent = GenerateRequest(
+            _request_id(request), body.to_prompt(), params, body.model or "", "messages"
+        )
+        specs = choice_specs(parent, [parent.prompt], body.n)
+        return await _serve(
+            service, request, specs, body, chat=True, parsed=parsed, anthropic=converter
+        )
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        """The prompt tokens of a Messages request, as the gateway renders it."""
+        converter = await anthropic.get()
+        chat = converter.chat_body(await _json_body(request), count=True)
+        try:
+            body = ChatCompletionRequest.model_validate({"max_tokens": 1, **chat})
+        except ValidationError as err:
+            message, param = fmt.validation_message(err.errors())
+            raise InvalidRequest(message, param=param) from err
+        service.check_model(body.model or "")
+        ids = await service.offload.run(service.tokenize, body.to_prompt())
+        return converter.token_count(len(ids))
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fmt.models_body(service.models())
@@ -203,14 +246,14 @@ def _add_error_handlers(app: FastAPI, routing: bool) -> None:
     @app.exception_handler(GatewayError)
     async def domain_error(request: Request, err: GatewayError) -> JSONResponse:
         _refused(request, err)
-        return error_response(err, routing)
+        return error_response(err, routing, request.url.path in ANTHROPIC_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
         message, param = fmt.validation_message(err.errors())
         invalid = InvalidRequest(message, param=param)
         _refused(request, invalid)
-        return error_response(invalid, routing)
+        return error_response(invalid, routing, request.url.path in ANTHROPIC_PATHS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -232,6 +275,13 @@ def _refused(request: Request, err: GatewayError) -> None:
         request_log.refused_at_edge(_request_id(request), endpoint, err)
 
 
+async def _json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as err:
+        raise InvalidRequest("the request body is not valid JSON") from err
+
+
 def _request_id(request: Request) -> str:
     request_id: str = request.state.request_id
     return request_id
@@ -245,7 +295,9 @@ async def _serve(
     *,
     chat: bool,
     parsed: ParsedChat | None = None,
+    anthropic: AnthropicApi | None = None,
 ) -> Response:
+    """``anthropic``: the chat completion is answered as Anthropic's message (its events)."""
     shaper = fmt.ChunkShaper(
         _request_id(request),
         service.model_name,
@@ -268,19 +320,22 @@ async def _serve(
         parsed=parsed,
     )
     if body.stream:
-        return _GenerationStream(responder)
+        events = responder.sse() if anthropic is None else anthropic.events(responder.sse())
+        return _GenerationStream(responder, events)
     result = await _unless_disconnected(request, responder.whole())
     if result is None:
         return Response(status_code=499)
+    if anthropic is not None:
+        result = anthropic.message(result)
     return JSONResponse(result, headers=responder.routing_headers())
 
 
 class _GenerationStream(StreamingResponse):
     """SSE of a request's choices; releases them even if streaming never started."""
 
-    def __init__(self, responder: OpenAIResponder) -> None:
+    def __init__(self, responder: OpenAIResponder, events: AsyncIterator[str]) -> None:
         super().__init__(
-            responder.sse(), media_type="text/event-stream", headers=responder.routing_headers()
+            events, media_type="text/event-stream", headers=responder.routing_headers()
         )
         self.generations = responder.generations
 

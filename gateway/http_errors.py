@@ -1,4 +1,5 @@
-"""The one mapping of the gateway's domain errors to HTTP status and OpenAI error JSON."""
+"""The one mapping of the gateway's domain errors to HTTP status and error JSON (OpenAI's;
+Anthropic's for its Messages API)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ _STATUS: list[tuple[type[GatewayError], int, str]] = [
 ]
 
 
+# Anthropic's error types by status (its Messages API: /v1/messages).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
 def status_and_type(err: GatewayError) -> tuple[int, str]:
     for kind, status, name in _STATUS:
         if isinstance(err, kind):
@@ -40,15 +51,20 @@ def status_and_type(err: GatewayError) -> tuple[int, str]:
     return 500, "server_error"
 
 
-def error_response(err: GatewayError, routing: bool) -> JSONResponse:
-    """``routing``: the deployment's ``routing_headers`` (off: no worker address is shown)."""
+def error_response(err: GatewayError, routing: bool, anthropic: bool = False) -> JSONResponse:
+    """``routing``: the deployment's ``routing_headers`` (off: no worker address is shown);
+    ``anthropic``: Anthropic's error shape and types (``/v1/messages``)."""
     status, kind = status_and_type(err)
     headers = {}
     if isinstance(err, Overloaded):
         headers["retry-after"] = str(err.retry_after_s)
     if isinstance(err, Unauthenticated):
         headers["www-authenticate"] = "Bearer"
-    body = fmt.error_body(public_message(err, routing), kind, err.param, err.code)
+    message = public_message(err, routing)
+    body = fmt.error_body(message, kind, err.param, err.code)
+    if anthropic:
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": message}}
     return JSONResponse(body, status, headers)
 
 

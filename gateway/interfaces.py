@@ -38,6 +38,7 @@ class PromptTokenizer(Protocol):
     vocab_size: int
     model_dir: str  # where the model is (vLLM's ``root`` in /v1/models)
     truncation_side: str  # "left" or "right": the tokenizer's default
+    chat_template: str | None  # the model's chat template (None: it has none)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Completions prompt; special tokens (BOS) added as the model's tokenizer does,

@@ -60,7 +60,8 @@ class HfTokenizer:
         # vLLM loads a generative model's tokenizer with truncation_side="left" (whatever its
         # tokenizer_config says), so the last tokens are kept.
         self.truncation_side: str = "left"
-        if not getattr(self._tok, "chat_template", None):
+        self.chat_template: str | None = getattr(self._tok, "chat_template", None) or None
+        if not self.chat_template:
             log.warning("tokenizer in %s has no chat template: chat requests will fail", model_dir)
         self.encode_text("")  # settles truncation/padding before any thread encodes (above)
 

@@ -56,6 +56,11 @@ REQUIRED = _chat(
 )
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"  # Anthropic's
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
+}
 # name -> (path, body without "model", or None for a GET)
 BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "chat": (CHAT, _chat()),
@@ -123,6 +128,37 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "error_tool_choice": (CHAT, _chat(tools=[WEATHER], tool_choice="sometimes")),
     "error_unknown_model": (CHAT, {**_chat(), "model": "no-such-model"}),
     "models": ("/v1/models", None),
+    "messages": (MESSAGES, {"max_tokens": 16, "messages": COLORS, **GREEDY}),
+    "messages_streamed": (
+        MESSAGES,
+        {"max_tokens": 16, "messages": COLORS, "system": "Be brief.", "stream": True, **GREEDY},
+    ),
+    "messages_tool_any": (
+        MESSAGES,
+        {
+            "max_tokens": 48,
+            "messages": ASK,
+            "tools": [ANTHROPIC_WEATHER],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            **GREEDY,
+        },
+    ),
+    "messages_tool_any_streamed": (
+        MESSAGES,
+        {
+            "max_tokens": 48,
+            "messages": ASK,
+            "tools": [ANTHROPIC_WEATHER],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "stream": True,
+            **GREEDY,
+        },
+    ),
+    "messages_count_tokens": (
+        MESSAGES + "/count_tokens",
+        {"messages": ASK, "system": "Be brief.", "tools": [ANTHROPIC_WEATHER]},
+    ),
+    "error_messages_no_max_tokens": (MESSAGES, {"messages": COLORS}),
 }
 
 # Differences pdserve means to have, each with its reason; the test fails on any other.
@@ -173,9 +209,10 @@ def _body(response: httpx.Response) -> Any:
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         events = []
         for block in response.text.split("\n\n"):
-            if block.startswith("data: "):
-                data = block[len("data: ") :]
-                events.append(data if data == "[DONE]" else json.loads(data))
+            for line in block.split("\n"):  # Anthropic's events have an "event:" line first
+                if line.startswith("data: "):
+                    data = line[len("data: ") :]
+                    events.append(data if data == "[DONE]" else json.loads(data))
         return events
     try:
         return response.json()
@@ -194,6 +231,8 @@ def project(answer: dict[str, Any]) -> dict[str, Any]:
     if status != 200:
         error = body.get("error", body) if isinstance(body, dict) else {}
         return {"status": status, "error_type": error.get("type")}
+    if isinstance(body, list) and body and isinstance(body[0], dict) and "type" in body[0]:
+        return {"status": status, "stream": _assembled_message(body)}
     if isinstance(body, list):
         return {"status": status, "stream": _assembled(body)}
     return {"status": status, "body": _stable(body)}
@@ -244,6 +283,40 @@ def _assembled(events: list[Any]) -> dict[str, Any]:
         "usage": usage,
         "done": events[-1:] == ["[DONE]"],
         "keys": sorted(keys),
+    }
+
+
+def _assembled_message(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's stream as a client assembles it: the event types in order, the message of
+    ``message_start``, each content block (its text, or its call's name and input), the
+    ``message_delta``; tool use ids reduced to their presence."""
+    blocks: dict[int, dict[str, Any]] = {}
+    final: dict[str, Any] = {}
+    start: dict[str, Any] = {}
+    for event in events:
+        kind = event["type"]
+        if kind == "message_start":
+            start = _stable(event["message"])
+        elif kind == "content_block_start":
+            blocks[event["index"]] = _stable(event["content_block"])
+        elif kind == "content_block_delta":
+            block, delta = blocks[event["index"]], event["delta"]
+            if delta["type"] == "text_delta":
+                block["text"] = block.get("text", "") + delta["text"]
+            elif delta["type"] == "input_json_delta":
+                block["input_json"] = block.get("input_json", "") + delta["partial_json"]
+            else:
+                block.setdefault("other", []).append(delta)
+        elif kind == "message_delta":
+            final = _stable(event)
+    for block in blocks.values():
+        if "id" in block:
+            block["id"] = bool(block["id"])
+    return {
+        "types": [e["type"] for e in events],
+        "start": start,
+        "blocks": blocks,
+        "final": final,
     }
 
 
