@@ -75,7 +75,12 @@ class AnthropicApi:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
 
         response = ChatCompletionResponse.model_validate(completion)
-        message = self._converter.messages_full_converter(response)
+        try:
+            message = self._converter.messages_full_converter(response)
+        except ValueError as err:
+            # e.g. a tool call whose arguments are not a JSON object (a tool without "strict"
+            # leaves them free): vllm serve answers 400 with the converter's message, so do we
+            raise InvalidRequest(f"the answer cannot be given as a message: {err}") from err
         body: dict[str, Any] = message.model_dump(exclude_none=True)
         return body
 

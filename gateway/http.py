@@ -63,7 +63,9 @@ class RequestIdMiddleware:
     """Pure ASGI (no buffering, streaming and cancellation untouched): picks the request id
     and adds it to every response. While tracing is on, each request (but probes and
     scrapes) is one span, the root of its trace or a child of the client's ``traceparent``;
-    it ends when the response (a whole stream) has been sent."""
+    it ends when the response (a whole stream) has been sent. An unexpected error before the
+    response begins is a 500, logged once with its traceback, and the connection stays open
+    for the client's next request."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -83,9 +85,20 @@ class RequestIdMiddleware:
                 status["code"] = int(message["status"])
             await send(message)
 
+        async def answered(app: ASGIApp) -> None:
+            """``app``, where an unexpected error is a 500 and the connection stays open."""
+            try:
+                await app(scope, receive, send_with_id)
+            except Exception:
+                if status["code"]:
+                    raise  # the response has begun: the server can only close it
+                log.exception("unexpected error serving %s", scope["path"])
+                body = fmt.error_body("internal server error", "server_error")
+                await JSONResponse(body, 500)(scope, receive, send_with_id)
+
         with request_log.serving(request_id):  # every log line of the request names it
             if not tracing.enabled() or scope["path"] in UNTRACED_PATHS:
-                await self.app(scope, receive, send_with_id)
+                await answered(self.app)
                 return
             name = f"{scope['method']} {scope['path']}"
             attributes = {
@@ -95,7 +108,7 @@ class RequestIdMiddleware:
             }
             parent = tracing.extract(headers.items())
             with tracing.span(name, attributes, kind="server", parent=parent) as span:
-                await self.app(scope, receive, send_with_id)
+                await answered(self.app)
                 span.set_attribute("http.response.status_code", status["code"])
                 if status["code"] >= 500:
                     tracing.fail(span, f"HTTP {status['code']}")
@@ -260,12 +273,6 @@ def _add_error_handlers(app: FastAPI, routing: bool) -> None:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         body = fmt.error_body(str(err.detail), kind, None, str(err.status_code))
         return JSONResponse(body, err.status_code, headers=err.headers)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        # Starlette re-raises after this response, so the server logs the traceback once.
-        log.error("unexpected error serving %s: %r", request.url.path, err)
-        return JSONResponse(fmt.error_body("internal server error", "server_error"), 500)
 
 
 def _refused(request: Request, err: GatewayError) -> None:

@@ -60,7 +60,11 @@ MESSAGES = "/v1/messages"  # Anthropic's
 ANTHROPIC_WEATHER = {
     "name": "get_weather",
     "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
+    "strict": True,  # the arguments follow the schema (vLLM's tool_strict_level auto)
 }
+# Without strict the model's arguments are free: SmolLM2 writes a string, which vLLM's
+# converter cannot make a tool_use block (vllm serve: 400)
+LOOSE_WEATHER = {k: v for k, v in ANTHROPIC_WEATHER.items() if k != "strict"}
 # name -> (path, body without "model", or None for a GET)
 BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "chat": (CHAT, _chat()),
@@ -151,6 +155,16 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
             "tools": [ANTHROPIC_WEATHER],
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
             "stream": True,
+            **GREEDY,
+        },
+    ),
+    "messages_tool_loose": (
+        MESSAGES,
+        {
+            "max_tokens": 48,
+            "messages": ASK,
+            "tools": [LOOSE_WEATHER],
+            "tool_choice": {"type": "any"},
             **GREEDY,
         },
     ),

@@ -175,6 +175,25 @@ async def test_unknown_route_and_method_are_openai_shaped() -> None:
     assert_openai_error(wrong_method, 405)
 
 
+async def test_an_unexpected_error_is_a_500_and_the_connection_stays_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug is one 500 (its traceback logged once) and costs the client's keep-alive
+    connection nothing: the next request on it is answered."""
+    async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
+        assert c.gateway.service is not None
+
+        def broken() -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(c.gateway.service, "models", broken)
+        failed = await http.get("/v1/models")
+        after = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    error = assert_openai_error(failed, 500)
+    assert error["type"] == "server_error" and "a bug" not in error["message"]
+    assert after.status_code == 200, after.text
+
+
 async def test_worker_refusing_the_request_is_400_not_a_fallback() -> None:
     prefill = FakePrefill()
     prefill.fail_with = grpc.StatusCode.INVALID_ARGUMENT

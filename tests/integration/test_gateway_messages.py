@@ -116,6 +116,22 @@ async def test_tool_choice_any_forces_the_call() -> None:
     ]
 
 
+async def test_a_call_that_is_no_message_is_vllms_400() -> None:
+    """Arguments that are not a JSON object (a tool without ``strict`` leaves them free) cannot
+    be a ``tool_use`` block: vLLM's converter refuses them and vllm serve answers 400."""
+    loose = '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'
+    async with (
+        gateway_cluster(decode=scripted(loose), **HERMES) as c,
+        httpx.AsyncClient(base_url=c.base_url, timeout=60) as http,
+    ):
+        body = {"model": served_name(), "max_tokens": 64, "messages": HI}
+        refused = await http.post("/v1/messages", json={**body, "tools": [WEATHER]})
+        after = await http.post("/v1/messages", json=body)  # the same connection
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert after.status_code == 200
+
+
 async def test_errors_have_anthropics_shape() -> None:
     async with gateway_cluster(api_keys=["k"]) as c:
         key = {"authorization": "Bearer k"}
