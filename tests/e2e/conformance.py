@@ -181,6 +181,9 @@ INTENDED: dict[tuple[str, str], str] = {
     ("*", ".body.usage.prompt_tokens_details"): "pdserve always reports cached_tokens (the "
     "prefix-cache hits of its workers); vLLM only with --enable-prompt-tokens-details",
     ("*", ".stream.usage.prompt_tokens_details"): "as above, in a stream's usage",
+    ("*", ".body.usage.cache_read_input_tokens"): "the same cached tokens in Anthropic's usage "
+    "(vLLM's converter writes them when the chat usage has them)",
+    ("*", ".stream.final.usage.cache_read_input_tokens"): "as above, in Anthropic's stream",
     ("*", ".error_type"): "OpenAI's error types (invalid_request_error, ...), which OpenAI "
     "clients know; vLLM 0.32 writes exception names (BadRequestError, NotFoundError). The "
     "status codes are the same",
