@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from gateway.errors import GatewayError
 from gateway.events import Event, Usage
 from gateway.generation import Generation
-from gateway.service import GenerateRequest, GenerationService, Prompt
+from gateway.service import GenerateRequest, GenerationService, Prompt, all_or_none
 
 
 @dataclass(frozen=True)
@@ -50,20 +50,10 @@ async def start_all(service: GenerationService, specs: Sequence[ChoiceSpec]) -> 
     groups: dict[int, list[ChoiceSpec]] = {}
     for spec in specs:
         groups.setdefault(spec.prompt_index, []).append(spec)
-    tasks = [
-        asyncio.ensure_future(service.start_choices([s.request for s in group]))
-        for group in groups.values()
-    ]
-    try:
-        started = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for task in tasks:
-            if not task.cancelled() and task.exception() is None:
-                await close_all(task.result())
-        raise
+    started = await all_or_none(
+        [service.start_choices([s.request for s in group]) for group in groups.values()],
+        release=close_all,
+    )
     by_index = {
         s.index: g for group, gens in zip(groups.values(), started, strict=True)
         for s, g in zip(group, gens, strict=True)

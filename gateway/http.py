@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from importlib import metadata
 from typing import Annotated, Any, TypeVar
 
@@ -146,15 +146,9 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
 
     @api.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        params = body.sampling_params()
         # vLLM's request model reads the body as sent; without parsers only the tool fields
         raw = await request.json() if service.chat_parsing else body.tool_fields()
-        parsed = await parse_chat(service.chat_parsing, service.offload, raw, params)
-        parent = GenerateRequest(
-            _request_id(request), body.to_prompt(), params, body.model or "", "chat_completions"
-        )
-        specs = choice_specs(parent, [parent.prompt], body.n)
-        return await _serve(service, request, specs, body, chat=True, parsed=parsed)
+        return await _serve_chat(service, request, body, raw, "chat_completions")
 
     anthropic = AnthropicLoader(service.tokenizer.chat_template)
 
@@ -162,33 +156,16 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API: vLLM's conversion to and from a chat completion."""
         converter = await anthropic.get()
-        raw = await _json_body(request)
-        chat = converter.chat_body(raw)
-        try:
-            body = ChatCompletionRequest.model_validate(chat)
-        except ValidationError as err:
-            message, param = fmt.validation_message(err.errors())
-            raise InvalidRequest(message, param=param) from err
-        params = body.sampling_params()
-        parsed = await parse_chat(service.chat_parsing, service.offload, chat, params)
-        parent = GenerateRequest(
-            _request_id(request), body.to_prompt(), params, body.model or "", "messages"
-        )
-        specs = choice_specs(parent, [parent.prompt], body.n)
-        return await _serve(
-            service, request, specs, body, chat=True, parsed=parsed, anthropic=converter
-        )
+        chat = converter.chat_body(await _json_body(request))
+        body = _chat_request(chat)
+        return await _serve_chat(service, request, body, chat, "messages", converter)
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         """The prompt tokens of a Messages request, as the gateway renders it."""
         converter = await anthropic.get()
         chat = converter.chat_body(await _json_body(request), count=True)
-        try:
-            body = ChatCompletionRequest.model_validate({"max_tokens": 1, **chat})
-        except ValidationError as err:
-            message, param = fmt.validation_message(err.errors())
-            raise InvalidRequest(message, param=param) from err
+        body = _chat_request({"max_tokens": 1, **chat})
         service.check_model(body.model or "")
         ids = await service.offload.run(service.tokenize, body.to_prompt())
         return converter.token_count(len(ids))
@@ -282,6 +259,16 @@ def _refused(request: Request, err: GatewayError) -> None:
         request_log.refused_at_edge(_request_id(request), endpoint, err)
 
 
+def _chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat body built in the gateway (vLLM's Anthropic conversion), validated as the chat
+    route's body is."""
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as err:
+        message, param = fmt.validation_message(err.errors())
+        raise InvalidRequest(message, param=param) from err
+
+
 async def _json_body(request: Request) -> Any:
     try:
         return await request.json()
@@ -292,6 +279,26 @@ async def _json_body(request: Request) -> Any:
 def _request_id(request: Request) -> str:
     request_id: str = request.state.request_id
     return request_id
+
+
+async def _serve_chat(
+    service: GenerationService,
+    request: Request,
+    body: ChatCompletionRequest,
+    raw: Mapping[str, Any],
+    endpoint: str,
+    anthropic: AnthropicApi | None = None,
+) -> Response:
+    """A chat request (``raw``: the body vLLM's parsers read) through the core."""
+    params = body.sampling_params()
+    parsed = await parse_chat(service.chat_parsing, service.offload, raw, params)
+    parent = GenerateRequest(
+        _request_id(request), body.to_prompt(), params, body.model or "", endpoint
+    )
+    specs = choice_specs(parent, [parent.prompt], body.n)
+    return await _serve(
+        service, request, specs, body, chat=True, parsed=parsed, anthropic=anthropic
+    )
 
 
 async def _serve(

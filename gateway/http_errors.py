@@ -61,10 +61,11 @@ def error_response(err: GatewayError, routing: bool, anthropic: bool = False) ->
     if isinstance(err, Unauthenticated):
         headers["www-authenticate"] = "Bearer"
     message = public_message(err, routing)
-    body = fmt.error_body(message, kind, err.param, err.code)
     if anthropic:
-        kind = _ANTHROPIC_TYPES.get(status, "api_error")
-        body = {"type": "error", "error": {"type": kind, "message": message}}
+        anthropic_kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        body = {"type": "error", "error": {"type": anthropic_kind, "message": message}}
+    else:
+        body = fmt.error_body(message, kind, err.param, err.code)
     return JSONResponse(body, status, headers)
 
 

@@ -18,9 +18,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway import request_log
@@ -48,6 +48,7 @@ from protos.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -99,15 +100,22 @@ class GenerateRequest:
     deadline_s: float | None = None
 
 
-async def _all_or_none(opens: Sequence[Awaitable[None]]) -> None:
-    """Run ``opens`` together; when one fails, the others are cancelled and the error raised."""
-    tasks = [asyncio.ensure_future(o) for o in opens]
+async def all_or_none(
+    awaitables: Sequence[Awaitable[T]], release: Callable[[T], Awaitable[None]] | None = None
+) -> list[T]:
+    """Run ``awaitables`` together and return their results; when one fails, the others are
+    cancelled, those already done are given to ``release``, and the error is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if release is not None:
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    await release(task.result())
         raise
 
 
@@ -243,7 +251,7 @@ class GenerationService:
             for request, p in zip(requests[1:], params[1:], strict=True):
                 slots -= 1
                 generations.append(self._generation(request, token_ids, p, sibling, True))
-            await _all_or_none([self._open(g) for g in generations[1:]])
+            await all_or_none([self._open(g) for g in generations[1:]])
         except BaseException:
             self.active -= slots
             for generation in generations:
