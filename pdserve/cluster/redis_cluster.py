@@ -7,7 +7,9 @@ and assigns the slots; the cluster is up once every node reports ``cluster_state
 every replica's link to its master is up. With ``password`` every node admits ``USER`` with
 it, as a single private server does (``redis_server.write_acl``); the replicas authenticate to
 their masters as that user (set with CONFIG SET, never on a command line), and
-``redis-cli`` gets the password from its environment.
+``redis-cli`` gets the password from its environment. With ``tls`` every node speaks only
+TLS, to clients, on the cluster bus and between master and replica (``RedisServer``), and
+``url`` is ``rediss+cluster://`` with the CA in redis-py's ``ssl_ca_certs`` parameter.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from pathlib import Path
 
 import redis
 
-from pdserve.cluster.redis_server import USER, RedisServer, RedisServerError, with_credentials
+from pdserve.cluster.redis_server import (
+    USER,
+    RedisServer,
+    RedisServerError,
+    TlsFiles,
+    with_credentials,
+)
 
 UP_TIMEOUT_S = 30.0
 
@@ -33,8 +41,10 @@ class LocalRedisCluster:
         replicas: int = 1,
         password: str | None = None,
         node_timeout_ms: int = 1000,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.masters, self.replicas, self.password = masters, replicas, password
+        self.tls = tls
         self.node_timeout_ms = node_timeout_ms
         self.nodes: list[RedisServer] = []
         self._dir: Path | None = None
@@ -42,16 +52,23 @@ class LocalRedisCluster:
     @property
     def url(self) -> str:
         """A ``redis+cluster://`` URL naming the first node (the client finds the others)."""
-        url = f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        port = self.nodes[0].port
+        if self.tls is None:
+            url = f"redis+cluster://127.0.0.1:{port}"
+        else:
+            url = self.tls.url("rediss+cluster", port)
         return url if self.password is None else with_credentials(url, self.password)
 
     def client(self, node: RedisServer) -> redis.Redis:
         """A plain (not cluster) client of one node, for CLUSTER and INFO commands."""
         return redis.Redis(
+            host="127.0.0.1",  # the address the nodes' certificate names, with TLS
             port=node.port,
             username=USER if self.password else None,
             password=self.password,
             socket_timeout=5,
+            ssl=self.tls is not None,
+            ssl_ca_certs=None if self.tls is None else str(self.tls.ca),
         )
 
     def start(self) -> LocalRedisCluster:
@@ -64,6 +81,7 @@ class LocalRedisCluster:
                     password=self.password,
                     cluster_dir=self._dir,
                     cluster_node_timeout_ms=self.node_timeout_ms,
+                    tls=self.tls,
                 )
                 self.nodes.append(node.start())
                 if self.password is not None:
@@ -83,6 +101,8 @@ class LocalRedisCluster:
         if self.password is not None:
             env["REDISCLI_AUTH"] = self.password
             args += ["--user", USER]
+        if self.tls is not None:
+            args += ["--tls", "--cacert", str(self.tls.ca)]
         args += ["--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                  "--cluster-replicas", str(self.replicas), "--cluster-yes"]  # fmt: skip
         done = subprocess.run(args, env=env, capture_output=True, timeout=UP_TIMEOUT_S)

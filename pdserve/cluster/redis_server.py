@@ -17,6 +17,11 @@ With a password (``pdserve up`` always gives one) the server admits clients as t
 it may only PING (liveness probes need no credentials) and is refused everything else. The
 password is never on the server's command line (the file holds its SHA-256); clients get it
 in their URL (``with_credentials``), which ``redacted`` strips for printing.
+
+With ``tls`` (``TlsFiles``: a certificate, its key and the CA that signed it) the server
+speaks only TLS on its port (no plain port) and asks clients for no certificate: they log in
+with the password as usual. Its ``url`` is ``rediss://`` with the CA in redis-py's own query
+parameter, ``ssl_ca_certs``.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ import os
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 START_TIMEOUT_S = 10.0
 START_ATTEMPTS = 5  # fresh ports tried when the port was ours to choose
@@ -40,6 +47,31 @@ USER = "pdserve"  # the one user a password-protected private server admits
 
 class RedisServerError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A server's certificate and key (PEM), and the CA certificate that signed it, which
+    clients check the server against (and cluster nodes each other)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def server_options(self) -> list[str]:
+        """redis-server's options to serve TLS on ``port`` instead of plain TCP."""
+        return ["--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+                "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no"]  # fmt: skip
+
+    def url(self, scheme: str, port: int, path: str = "") -> str:
+        """A ``scheme`` URL of the server on ``port`` that trusts this CA, in redis-py's query
+        parameter ``ssl_ca_certs`` (read by both its clients, ``Redis`` and ``RedisCluster``)."""
+        query = urlencode({"ssl_ca_certs": str(self.ca)})
+        return f"{scheme}://127.0.0.1:{port}{path}?{query}"
+
+    def context(self) -> ssl.SSLContext:
+        """A client's context: the server's certificate must be the CA's, for its address."""
+        return ssl.create_default_context(cafile=str(self.ca))
 
 
 def free_port() -> int:
@@ -124,13 +156,15 @@ def server_command(
     maxmemory_bytes: int | None = None,
     acl_file: Path | None = None,
     cluster: list[str] | None = None,
+    tls: TlsFiles | None = None,
 ) -> list[str]:
     """The command line of a private server on ``port``; raises ``RedisServerError``.
 
     Without ``maxmemory_bytes`` the server never evicts (what the prefix index and registry
     need); with it, it evicts the least recently used keys beyond that size (a cache, such as
     the KV tier's chunks). With ``acl_file`` (``write_acl``) it admits whom that file says.
-    ``cluster``: the options of a Redis Cluster node (``RedisServer.cluster_options``)."""
+    ``cluster``: the options of a Redis Cluster node (``RedisServer.cluster_options``).
+    With ``tls`` it serves TLS on ``port`` and nothing else (``--port 0``: no plain port)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError(
@@ -140,15 +174,17 @@ def server_command(
     limit = [] if maxmemory_bytes is None else [
         "--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
     acl = [] if acl_file is None else ["--aclfile", str(acl_file)]
-    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    ports = ["--port", str(port)] if tls is None else [
+        "--port", "0", "--tls-port", str(port), *tls.server_options()]  # fmt: skip
+    return [binary, *ports, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--protected-mode", "yes", *limit, *acl,
             *(cluster or [])]  # fmt: skip
 
 
-def answers(port: int, password: str | None = None) -> bool:
+def answers(port: int, password: str | None = None, tls: TlsFiles | None = None) -> bool:
     """Whether a Redis answers on ``port`` (blocking, at most about a second); with
-    ``password``, as ``USER``."""
-    return server_pid(port, password) is not None
+    ``password``, as ``USER``; with ``tls``, over TLS."""
+    return server_pid(port, password, tls) is not None
 
 
 def _command(*args: str) -> bytes:
@@ -160,11 +196,23 @@ def _command(*args: str) -> bytes:
     return b"".join(out)
 
 
-def server_pid(port: int, password: str | None = None) -> int | None:
-    """The process id of the Redis answering on ``port`` (None: none answers)."""
+def _connect(port: int, tls: TlsFiles | None) -> socket.socket:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=0.5)
+    if tls is None:
+        return raw
+    try:  # the handshake, under the same timeout
+        return tls.context().wrap_socket(raw, server_hostname="127.0.0.1")
+    except BaseException:
+        raw.close()
+        raise
+
+
+def server_pid(port: int, password: str | None = None, tls: TlsFiles | None = None) -> int | None:
+    """The process id of the Redis answering on ``port`` (None: none answers); with ``tls``,
+    one that answers over TLS with a certificate of ``tls.ca``'s."""
     auth = b"" if password is None else _command("AUTH", USER, password)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+        with _connect(port, tls) as conn:
             conn.sendall(auth + _command("INFO", "server"))
             reply = b""
             while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
@@ -182,7 +230,8 @@ class RedisServer:
     """A private server; with ``password``, one that admits ``USER`` with it (``url`` logs in);
     with ``maxmemory_bytes``, one that evicts (see ``server_command``); with ``cluster_dir``,
     a Redis Cluster node keeping its cluster state there (``pdserve.cluster.redis_cluster``
-    joins nodes into a cluster), whose cluster bus port (``bus_port``) is chosen with its port.
+    joins nodes into a cluster), whose cluster bus port (``bus_port``) is chosen with its port;
+    with ``tls``, one that speaks only TLS (a cluster node: to the other nodes too).
     """
 
     def __init__(
@@ -193,7 +242,9 @@ class RedisServer:
         maxmemory_bytes: int | None = None,
         cluster_dir: Path | None = None,
         cluster_node_timeout_ms: int = 1000,
+        tls: TlsFiles | None = None,
     ) -> None:
+        self.tls = tls
         self.cluster_dir = cluster_dir
         self.cluster_node_timeout_ms = cluster_node_timeout_ms
         self.bus_port = 0
@@ -207,7 +258,10 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        url = f"redis://127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            url = f"redis://127.0.0.1:{self.port}/0"
+        else:
+            url = self.tls.url("rediss", self.port, "/0")
         return url if self.password is None else with_credentials(url, self.password)
 
     def _choose_ports(self) -> int:
@@ -222,11 +276,14 @@ class RedisServer:
         if self.cluster_dir is None:
             return None
         state = self.cluster_dir / f"nodes-{self.port}.conf"
+        # With TLS the bus and a replica's link to its master are TLS too (the plain port is
+        # off), and the nodes announce their TLS port to clients.
+        tls = [] if self.tls is None else ["--tls-cluster", "yes", "--tls-replication", "yes"]
         # --dir: a replica writes the snapshot it syncs from its master to its directory.
         return ["--dir", str(self.cluster_dir),
                 "--cluster-enabled", "yes", "--cluster-port", str(self.bus_port),
                 "--cluster-node-timeout", str(self.cluster_node_timeout_ms),
-                "--cluster-config-file", str(state)]  # fmt: skip
+                "--cluster-config-file", str(state), *tls]  # fmt: skip
 
     def _acl_file(self) -> Path | None:
         if self.password is None:
@@ -249,7 +306,7 @@ class RedisServer:
     def _launch(self) -> bool:
         """True once this process answers; False (and stopped) if it exited or timed out."""
         args = server_command(
-            self.port, self.maxmemory_bytes, self._acl_file(), self.cluster_options()
+            self.port, self.maxmemory_bytes, self._acl_file(), self.cluster_options(), self.tls
         )
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.process = process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
@@ -257,7 +314,7 @@ class RedisServer:
         if self.log_file:
             out.close()  # type: ignore[union-attr]  # the child has its own copy
         deadline = time.monotonic() + START_TIMEOUT_S
-        while server_pid(self.port, self.password) != process.pid:
+        while server_pid(self.port, self.password, self.tls) != process.pid:
             if process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 return False
