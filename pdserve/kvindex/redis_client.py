@@ -4,7 +4,11 @@
 ``redis+cluster://`` and ``rediss+cluster://`` name any node of a Redis Cluster, whose slots
 the client learns from it (``redis.asyncio.RedisCluster``: it follows MOVED/ASK redirections
 and relearns the slots after a failover). User and password go in the URL as usual
-(``redis+cluster://user:password@host:port``).
+(``redis+cluster://user:password@host:port``), and so do redis-py's own TLS parameters, such
+as the CA that signed the server's certificate: ``rediss://host:port/0?ssl_ca_certs=ca.pem``
+(without it the system's CAs are trusted). An ``ssl_*`` parameter in a plain ``redis://`` URL
+is refused (``ValueError``): the cluster client would ignore it and talk without TLS, and the
+single-server one fail on its first call.
 
 ``UNAVAILABLE_ERRORS`` are what either client raises when the store cannot serve a call (a
 connection refused or timed out, a cluster without a master for a slot, a slot on the move);
@@ -14,6 +18,7 @@ callers turn them into ``IndexUnavailable``.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -36,8 +41,12 @@ def is_cluster_url(url: str) -> bool:
 
 def make_client(url: str, timeout_s: float = 2.0) -> Any:
     """A ``redis.asyncio.Redis`` or ``RedisCluster`` for ``url`` (see the module docstring);
-    both run the same commands on keys of one slot, scripts and pipelines included."""
+    both run the same commands on keys of one slot, scripts and pipelines included. Raises
+    ``ValueError`` for TLS parameters in a URL without TLS."""
     scheme, _, rest = url.partition("://")
+    tls_params = [name for name in parse_qs(urlsplit(url).query) if name.startswith("ssl_")]
+    if tls_params and not scheme.startswith("rediss"):
+        raise ValueError(f"{', '.join(tls_params)}: TLS parameters in a {scheme}:// URL (no TLS)")
     if is_cluster_url(url):
         # On a connection error, a cluster that is down or a slot not covered, the client
         # relearns the slots and tries once more (redirections are followed regardless).
