@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 C = TypeVar("C", PrefillClient, DecodeClient)
 T = TypeVar("T")
+W = TypeVar("W", bound="Worker[Any]")
 MAX_EJECT_S = 60.0
 
 
@@ -347,24 +348,28 @@ class WorkerPool:
         worker.ejections = 0
 
     def _check_compat(self) -> None:
-        for p in self.prefill:
-            for d in self.decode:
-                if p.capabilities is None or d.capabilities is None:
+        """Which pairs may exchange KV. Workers are grouped by their ``kv_compat`` and each
+        pair of groups is compared once: 128 + 128 workers are 16,384 pairs but usually one
+        group (comparing every pair held the event loop for tens of ms at each refresh)."""
+        incompatible: dict[tuple[str, str], str] = {}
+        for p_key, prefill in _by_compat(self.prefill).items():
+            for d_key, decode in _by_compat(self.decode).items():
+                if p_key == d_key:
                     continue
-                key = (p.address, d.address)
-                why = pairing_problem(p.capabilities, d.capabilities)
-                if why and self._incompatible.get(key) != why:
-                    log.error(
-                        "refusing to pair prefill worker %s with decode worker %s: kv_compat "
-                        "differs: %s; their requests take the local path",
-                        p.address,
-                        d.address,
-                        why,
-                    )
-                if why:
-                    self._incompatible[key] = why
-                else:
-                    self._incompatible.pop(key, None)
+                why = pairing_problem(prefill[0][1], decode[0][1])
+                for p, _ in prefill:
+                    for d, _ in decode:
+                        pair = (p.address, d.address)
+                        incompatible[pair] = why
+                        if self._incompatible.get(pair) != why:
+                            log.error(
+                                "refusing to pair prefill worker %s with decode worker %s: "
+                                "kv_compat differs: %s; their requests take the local path",
+                                p.address,
+                                d.address,
+                                why,
+                            )
+        self._incompatible = incompatible
 
     def compatible(self, prefill: PrefillWorker, decode: DecodeWorker) -> bool:
         return (prefill.address, decode.address) not in self._incompatible
@@ -403,3 +408,15 @@ class WorkerPool:
 def _min_len(workers: Sequence[PrefillWorker | DecodeWorker]) -> int:
     lengths = [w.capabilities.max_model_len for w in workers if w.capabilities]
     return min((n for n in lengths if n > 0), default=0)
+
+
+def _by_compat(
+    workers: Sequence[W],
+) -> dict[tuple[tuple[str, str], ...], list[tuple[W, worker_pb2.Capabilities]]]:
+    """Workers that reported capabilities, grouped by their ``kv_compat`` description."""
+    groups: dict[tuple[tuple[str, str], ...], list[tuple[W, worker_pb2.Capabilities]]] = {}
+    for w in workers:
+        if w.capabilities is not None:
+            key = tuple(sorted(w.capabilities.kv_compat.items()))
+            groups.setdefault(key, []).append((w, w.capabilities))
+    return groups
