@@ -48,14 +48,18 @@ async def write_index(
     stored: Sequence[int] = (),
     removed: Sequence[int] = (),
     whole: bool = False,
+    starts_prompt: bool = False,
 ) -> bool:
     """The one place the fake workers write the prefix index, as a real worker's KV event
     sink does (``pdserve.worker.kv_events``): ``whole``: ``stored`` is the worker's whole set
-    (its start: the rewrite that claims the index's fence for ``epoch``), else one step of
-    events under that fence. False: the fence dropped the write."""
+    (its start: the rewrite that claims the index's fence for ``epoch``; random blocks, no
+    prompt's first block among them), else one step of events under that fence, whose first
+    stored block begins a prompt when ``starts_prompt`` (vLLM: no parent). False: the fence
+    dropped the write."""
     if whole:
         return bool(await store.replace_worker(model, worker, stored, epoch))
-    return bool(await store.apply(model, worker, [BlockOps(stored=stored, removed=removed)], epoch))
+    op = BlockOps(stored=stored, removed=removed, starts_prompt=starts_prompt)
+    return bool(await store.apply(model, worker, [op], epoch))
 
 
 class Cache:
@@ -111,9 +115,11 @@ class Member:
         stored, removed = self.cache.store(hashes)
         if stored or removed:
             async with self.lock:
+                first = bool(stored) and stored[0] == hashes[0]
                 ok = await write_index(
-                    self.store, self.model, self.name, self.epoch, stored, removed
-                )
+                    self.store, self.model, self.name, self.epoch, stored, removed,
+                    starts_prompt=first,
+                )  # fmt: skip
                 self.dropped += not ok
         return held
 

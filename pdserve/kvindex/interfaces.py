@@ -17,11 +17,21 @@ class IndexUnavailable(Exception):
 
 @dataclass(frozen=True)
 class BlockOps:
-    """One engine step's changes to a worker's cached blocks, in order."""
+    """One engine step's changes to a worker's cached blocks, in order.
+
+    ``starts_prompt``: ``stored[0]`` is the first block of a prompt (vLLM's ``BlockStored``
+    with no ``parent_block_hash``). A lookup finds a holder through the first block of the
+    prompt it asks about, so a chain is found only if its first block was stored so."""
 
     stored: Sequence[int] = ()
     removed: Sequence[int] = ()
     cleared: bool = False  # all of the worker's blocks are gone (applied first)
+    starts_prompt: bool = True
+
+    @property
+    def first_blocks(self) -> Sequence[int]:
+        """The stored hashes that begin a prompt (none, or the first)."""
+        return self.stored[:1] if self.starts_prompt else ()
 
 
 class PrefixIndex(Protocol):
@@ -39,12 +49,18 @@ class PrefixIndex(Protocol):
         bound), unless a newer life than ``epoch`` owns them."""
 
     async def replace_worker(
-        self, model: str, worker: str, hashes: Sequence[int], epoch: str = ""
+        self,
+        model: str,
+        worker: str,
+        hashes: Sequence[int],
+        epoch: str = "",
+        first_blocks: Sequence[int] = (),
     ) -> bool:
         """Make ``hashes`` exactly the blocks of ``worker`` and ``epoch`` its fence (the
         worker's own copy, at its start or after the index lost it), unless a newer life owns
-        them. A reader sees the old set or a growing part of the new one, never a block the
-        worker does not hold."""
+        them; ``first_blocks``: those of them that begin a prompt (``BlockOps``). A reader sees
+        the old set or a growing part of the new one, never a block the worker does not
+        hold."""
 
     async def worker_block_count(self, model: str, worker: str) -> int:
         """How many blocks the index holds for ``worker``."""
@@ -52,7 +68,8 @@ class PrefixIndex(Protocol):
     async def longest_prefixes(
         self, model: str, hashes: Sequence[int], workers: Sequence[str]
     ) -> dict[str, int]:
-        """For each worker, how many leading ``hashes`` it holds (one round trip)."""
+        """For each worker, how many leading ``hashes`` it holds (one round trip); only a
+        worker that holds ``hashes[0]`` as a prompt's first block holds any."""
 
 
 @dataclass

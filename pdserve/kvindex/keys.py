@@ -21,10 +21,16 @@ Prefix index (one tag per group of holders, ``{p:m:gK}``, ``K = crc32(holder) % 
                                        8-byte big-endian hash (not its decimal text: smaller)
 - ``{p:m:gK}:f:{holder}``              STRING the holder's fence: the epoch of the worker life
                                        that owns the set (``pdserve.kvindex.epochs``)
+- ``{p:m:gK}:t:{holder}``              SET of the holder's blocks that begin a prompt (vLLM's
+                                       ``BlockStored`` without a parent)
+- ``{p:m:gK}:r``                       ZSET (scores 0) of the group's prompt starts: members
+                                       "8-byte hash .. holder", so one ZRANGEBYLEX names the
+                                       holders of a first block
 
-There is no key per block: a lookup asks each candidate holder's set whether it holds the
-prompt's leading hashes, one script per group (the group's sets are its KEYS), all groups in
-one pipeline. A holder's set and fence share a slot, so a fenced write is one atomic script;
+There is no key per block: a lookup reads which candidates hold the prompt's first block from
+their groups' starts, then asks only those holders' sets for the prompt's leading hashes (one
+script per group on a cluster, the group's keys its KEYS; one for all on a single server), all
+in one pipeline. A holder's set and fence share a slot, so a fenced write is one atomic script;
 a model's index spreads over up to ``GROUPS`` slots (and so over a cluster's masters).
 
 A shared KV tier (LMCache) is a holder like a worker, with the id ``tier:<identity>`` (e.g.
@@ -74,6 +80,14 @@ class Keys:
     def holder_blocks(self, model: str, holder: str) -> str:
         """The set of the hashes of the blocks ``holder`` holds."""
         return _holder_blocks(self.prefix, model, holder)
+
+    def group_starts(self, model: str, group: int) -> str:
+        """The group's ZSET of its holders' prompt starts, members "hash .. holder"."""
+        return f"{self.group_tag(model, group)}:r"
+
+    def holder_starts(self, model: str, holder: str) -> str:
+        """The SET of the first blocks of prompts ``holder`` holds (same slot)."""
+        return f"{self.group_tag(model, group_of(holder))}:t:{holder}"
 
     def fence(self, model: str, holder: str) -> str:
         """The epoch of the life that owns ``holder_blocks`` (same slot)."""

@@ -16,6 +16,7 @@ class MemoryIndex:
 
     def __init__(self) -> None:
         self.by_worker: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.first: dict[tuple[str, str], set[int]] = defaultdict(set)  # prompts' first blocks
         self.fences: dict[tuple[str, str], str] = {}
 
     def _fence(self, model: str, holder: str) -> str:
@@ -26,25 +27,36 @@ class MemoryIndex:
     ) -> bool:
         if not may_write(epoch, self._fence(model, worker)):
             return False
-        held = self.by_worker[(model, worker)]
+        held, first = self.by_worker[(model, worker)], self.first[(model, worker)]
         for op in ops:
             if op.cleared:
                 held.clear()
+                first.clear()
             held.update(op.stored)
+            first.update(op.first_blocks)
             held.difference_update(op.removed)
+            first.difference_update(op.removed)
         if not held:
             del self.by_worker[(model, worker)]
+        if not first:
+            del self.first[(model, worker)]
         return True
 
     async def clear_worker(self, model: str, worker: str, epoch: str = "") -> bool:
         if not may_claim(epoch, self._fence(model, worker)):
             return False
         self.by_worker.pop((model, worker), None)
+        self.first.pop((model, worker), None)
         self.fences.pop((model, worker), None)
         return True
 
     async def replace_worker(
-        self, model: str, worker: str, hashes: Sequence[int], epoch: str = ""
+        self,
+        model: str,
+        worker: str,
+        hashes: Sequence[int],
+        epoch: str = "",
+        first_blocks: Sequence[int] = (),
     ) -> bool:
         if not await self.clear_worker(model, worker, epoch):
             return False
@@ -52,6 +64,9 @@ class MemoryIndex:
             self.fences[(model, worker)] = epoch
         if hashes:
             self.by_worker[(model, worker)] = set(hashes)
+            first = set(first_blocks) & set(hashes)
+            if first:
+                self.first[(model, worker)] = first
         return True
 
     async def worker_block_count(self, model: str, worker: str) -> int:
@@ -62,6 +77,8 @@ class MemoryIndex:
     ) -> dict[str, int]:
         counts = dict.fromkeys(workers, 0)
         for worker in workers:
+            if not hashes or hashes[0] not in self.first.get((model, worker), ()):
+                continue
             held = self.by_worker.get((model, worker), set())
             for h in hashes:
                 if h not in held:

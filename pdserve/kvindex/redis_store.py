@@ -44,38 +44,82 @@ local function each(cmd, key, from, to)
 end
 """
 
-# KEYS: holder set, fence. ARGV: epoch, then ops: "C" 0 | "S" n h1..hn | "R" n h1..hn.
-# Applied only when the fence is the writer's epoch (none: ""); returns 1, or 0 if dropped.
+# The first blocks of prompts (``keys``): KEYS[3] is the group's ZSET of "hash .. holder"
+# members (a lookup reads the holders of its first block with one ZRANGEBYLEX), KEYS[4] the
+# holder's SET of its first blocks (to take its members out again); ARGV[2] is the holder.
+_STARTS = """
+local HOLDER = ARGV[2]
+local function add_starts(from, to)
+  for j = from, to do
+    if redis.call('SADD', KEYS[4], ARGV[j]) == 1 then
+      redis.call('ZADD', KEYS[3], 0, ARGV[j] .. HOLDER)
+    end
+  end
+end
+local function drop_starts(from, to)
+  for j = from, to, 1000 do
+    local present = redis.call('SMISMEMBER', KEYS[4], unpack(ARGV, j, math.min(j + 999, to)))
+    for i = 1, #present do
+      if present[i] == 1 then
+        redis.call('SREM', KEYS[4], ARGV[j + i - 1])
+        redis.call('ZREM', KEYS[3], ARGV[j + i - 1] .. HOLDER)
+      end
+    end
+  end
+end
+local function drop_all_starts()
+  for _, h in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    redis.call('ZREM', KEYS[3], h .. HOLDER)
+  end
+  redis.call('DEL', KEYS[4])
+end
+"""
+
+# KEYS: holder set, fence, group's starts, holder's starts. ARGV: epoch, holder, then ops:
+# "C" 0 | "S" n h1..hn | "T" n h1..hn (first blocks, stored too) | "R" n h1..hn. Applied only
+# when the fence is the writer's epoch (none: ""); returns 1, or 0 if dropped.
 _APPLY = (
     _BATCH
+    + _STARTS
     + """
 if (redis.call('GET', KEYS[2]) or '') ~= ARGV[1] then return 0 end
-local i = 2
+local i = 3
 while i <= #ARGV do
   local op, n = ARGV[i], tonumber(ARGV[i + 1])
   i = i + 2
   if op == 'C' then
     redis.call('UNLINK', KEYS[1])
+    drop_all_starts()
+  elseif op == 'S' then
+    each('SADD', KEYS[1], i, i + n - 1)
+  elseif op == 'T' then
+    add_starts(i, i + n - 1)
   else
-    each(op == 'S' and 'SADD' or 'SREM', KEYS[1], i, i + n - 1)
-    i = i + n
+    each('SREM', KEYS[1], i, i + n - 1)
+    drop_starts(i, i + n - 1)
   end
+  i = i + n
 end
 return 1
 """
 )
 
-# KEYS: holder set, fence. ARGV: epoch, hashes. Unless the fence is newer than the epoch:
-# the epoch becomes the fence and the hashes the whole set (none given and no epoch: the
-# holder is forgotten, fence and all). Returns 1, or 0 if dropped.
+# KEYS: as _APPLY's. ARGV: epoch, holder, n, n first blocks, hashes. Unless the fence is
+# newer than the epoch: the epoch becomes the fence and the hashes the whole set, the first
+# blocks its starts (none given and no epoch: the holder is forgotten, fence and all).
+# Returns 1, or 0 if dropped.
 _REPLACE = (
     _OLDER
     + _BATCH
+    + _STARTS
     + """
 if older(ARGV[1], redis.call('GET', KEYS[2]) or '') then return 0 end
 redis.call('UNLINK', KEYS[1])
+drop_all_starts()
 if ARGV[1] == '' then redis.call('DEL', KEYS[2]) else redis.call('SET', KEYS[2], ARGV[1]) end
-each('SADD', KEYS[1], 2, #ARGV)
+local n = tonumber(ARGV[3])
+each('SADD', KEYS[1], 4 + n, #ARGV)
+add_starts(4, 3 + n)
 return 1
 """
 )
@@ -84,42 +128,64 @@ return 1
 # is newer than the epoch. Returns 1, or 0 if dropped.
 _CLEAR = (
     _OLDER
+    + _STARTS
     + """
 if older(ARGV[1], redis.call('GET', KEYS[2]) or '') then return 0 end
 redis.call('UNLINK', KEYS[1])
 redis.call('DEL', KEYS[2])
+drop_all_starts()
 return 1
 """
 )
 
-# KEYS: the holder sets of one group. ARGV[1]: the hashes in prefix order, 8 bytes each, in
-# one string (one argument instead of one per hash: packing the arguments was most of the
-# client's time). Each holder's leading run, stopping at its first miss, as one string of
-# numbers ("3,0,12"): reading one reply instead of an array of them.
-_LONGEST = """
+# KEYS: the starts of the candidates' groups (ARGV[3] of them), then the candidate holders'
+# sets. ARGV[1]: the hashes in prefix order, 8 bytes each, in one string (one argument instead
+# of one per hash: packing the arguments was most of the client's time); ARGV[2]: the holders'
+# ids, one per line, in the order of their sets. Only the holders whose starts hold the first
+# hash are read (a ZRANGEBYLEX per group finds them; asking every holder's set took 0.8 ms of
+# Redis at 256 holders), each for its leading run, stopping at its first miss. The runs as one
+# string of numbers ("3,0,12"): reading one reply instead of an array of them.
+_LONGEST = r"""
 local hashes = {}
 for i = 1, #ARGV[1] / 8 do hashes[i] = string.sub(ARGV[1], 8 * i - 7, 8 * i) end
+local groups = tonumber(ARGV[3])
+local slot, k = {}, groups
+for name in string.gmatch(ARGV[2], '[^\n]+') do
+  k = k + 1
+  slot[name] = k
+end
 local counts = {}
-for k = 1, #KEYS do
-  local n = 0
-  for i = 1, #hashes do
-    if redis.call('SISMEMBER', KEYS[k], hashes[i]) == 0 then break end
-    n = n + 1
+for j = groups + 1, #KEYS do counts[j - groups] = 0 end
+local h0 = hashes[1]
+for g = 1, groups do
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', KEYS[g], '[' .. h0, '(' .. h0 .. '\255')) do
+    local j = slot[string.sub(m, 9)]
+    if j then
+      local n = 0
+      for i = 1, #hashes do
+        if redis.call('SISMEMBER', KEYS[j], hashes[i]) == 0 then break end
+        n = n + 1
+      end
+      counts[j - groups] = n
+    end
   end
-  counts[k] = n
 end
 return table.concat(counts, ',')
 """
 
-# KEYS: holder set, fence. ARGV: the dead epoch. Forgets the holder's entries only if they
+# KEYS: as _APPLY's. ARGV: the dead epoch, holder. Forgets the holder's entries only if they
 # are that life's (or nobody's): a newer life that already rewrote them keeps them.
-_REAP_INDEX = """
+_REAP_INDEX = (
+    _STARTS
+    + """
 local fence = redis.call('GET', KEYS[2])
 if fence and fence ~= ARGV[1] then return 0 end
 redis.call('UNLINK', KEYS[1])
 redis.call('DEL', KEYS[2])
+drop_all_starts()
 return 1
 """
+)
 
 # KEYS: workers hash, alive key. ARGV: worker, dead epoch. Removes the record only if it
 # still has that epoch and no heartbeat of it is alive, so a worker that restarted under the
@@ -169,6 +235,8 @@ def _encode(ops: Sequence[BlockOps]) -> list[str | int | bytes]:
             args += ["C", 0]
         if op.stored:
             args += ["S", len(op.stored), *map(_member, op.stored)]
+        if op.first_blocks:
+            args += ["T", len(op.first_blocks), *map(_member, op.first_blocks)]
         if op.removed:
             args += ["R", len(op.removed), *map(_member, op.removed)]
     return args
@@ -201,7 +269,9 @@ class RedisStore:
         self._announce = self.client.register_script(_ANNOUNCE)
         self._withdraw = self.client.register_script(_WITHDRAW)
         self._registry_epoch = self.client.register_script(_REGISTRY_EPOCH)
-        self._groups: dict[tuple[str, tuple[str, ...]], list[tuple[list[str], list[bytes]]]] = {}
+        self._groups: dict[
+            tuple[str, tuple[str, ...]], list[tuple[list[str], list[bytes], bytes, bytes]]
+        ] = {}
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -213,7 +283,12 @@ class RedisStore:
             raise IndexUnavailable(f"Redis is unavailable: {exc}") from exc
 
     def _holder(self, model: str, holder: str) -> list[str]:
-        return [self.keys.holder_blocks(model, holder), self.keys.fence(model, holder)]
+        return [
+            self.keys.holder_blocks(model, holder),
+            self.keys.fence(model, holder),
+            self.keys.group_starts(model, group_of(holder)),
+            self.keys.holder_starts(model, holder),
+        ]
 
     # ---------------------------------------------------------------- PrefixIndex
     async def apply(
@@ -223,25 +298,32 @@ class RedisStore:
         if not args:
             return True
         keys = self._holder(model, worker)
-        return bool(await self._call(self._apply(keys=keys, args=[epoch, *args])))
+        return bool(await self._call(self._apply(keys=keys, args=[epoch, worker, *args])))
 
     async def clear_worker(self, model: str, worker: str, epoch: str = "") -> bool:
         keys = self._holder(model, worker)
-        return bool(await self._call(self._clear(keys=keys, args=[epoch])))
+        return bool(await self._call(self._clear(keys=keys, args=[epoch, worker])))
 
     async def replace_worker(
-        self, model: str, worker: str, hashes: Sequence[int], epoch: str = ""
+        self,
+        model: str,
+        worker: str,
+        hashes: Sequence[int],
+        epoch: str = "",
+        first_blocks: Sequence[int] = (),
     ) -> bool:
-        """The first part claims the fence and replaces the set; the later parts add to it,
-        each dropped if a newer life claimed the holder in between (each part atomic)."""
+        """The first part claims the fence and replaces the set and its starts; the later
+        parts add to the set, each dropped if a newer life claimed the holder in between (each
+        part atomic)."""
         keys = self._holder(model, worker)
+        starts = [_member(h) for h in first_blocks]
         first = [_member(h) for h in hashes[:REPLACE_CHUNK]]
-        if not await self._call(self._replace(keys=keys, args=[epoch, *first])):
+        args = [epoch, worker, len(starts), *starts, *first]
+        if not await self._call(self._replace(keys=keys, args=args)):
             return False
         for i in range(REPLACE_CHUNK, len(hashes), REPLACE_CHUNK):
-            if not await self.apply(
-                model, worker, [BlockOps(stored=hashes[i : i + REPLACE_CHUNK])], epoch
-            ):
+            part = BlockOps(stored=hashes[i : i + REPLACE_CHUNK], starts_prompt=False)
+            if not await self.apply(model, worker, [part], epoch):
                 return False
         return True
 
@@ -254,30 +336,33 @@ class RedisStore:
         if not workers or not hashes:
             return dict.fromkeys(workers, 0)
         groups = self._lookup_groups(model, tuple(workers))
-        members = [b"".join(map(_member, hashes))]
-        calls = [(keys, members) for _, keys in groups]
+        packed = b"".join(map(_member, hashes))
+        calls = [(keys, [packed, names, starts]) for _, keys, names, starts in groups]
         results = await self._call(self._pipelined(self._longest, calls))
         counts = {}
-        for (ws, _), result in zip(groups, results, strict=True):
+        for (ws, _, _, _), result in zip(groups, results, strict=True):
             counts.update({w: int(c) for w, c in zip(ws, result.split(b","), strict=True)})
         return {w: counts[w] for w in workers}
 
     def _lookup_groups(
         self, model: str, workers: tuple[str, ...]
-    ) -> list[tuple[list[str], list[bytes]]]:
-        """The holders of a lookup by script call, with their sets' key names encoded: the
-        same workers are asked for request after request, and naming 256 sets anew each time
-        was half of the client's time (pdserve bench fleet)."""
+    ) -> list[tuple[list[str], list[bytes], bytes, bytes]]:
+        """The holders of a lookup by script call, with the script's keys (the group's starts,
+        the holders' sets) and the holders' ids encoded: the same workers are asked for
+        request after request, and naming 256 sets anew each time was half of the client's
+        time (pdserve bench fleet)."""
         cached = self._groups.get((model, workers))
         if cached is not None:
             return cached
         by_group: dict[int, list[str]] = {}
         for worker in dict.fromkeys(workers):
             by_group.setdefault(group_of(worker) if self.cluster else 0, []).append(worker)
-        groups = [
-            (ws, [self.keys.holder_blocks(model, w).encode() for w in ws])
-            for ws in by_group.values()
-        ]
+        groups = []
+        for ws in by_group.values():
+            starts = [self.keys.group_starts(model, g) for g in sorted(set(map(group_of, ws)))]
+            sets = [self.keys.holder_blocks(model, w) for w in ws]
+            keys = [k.encode() for k in [*starts, *sets]]
+            groups.append((ws, keys, "\n".join(ws).encode(), b"%d" % len(starts)))
         if len(self._groups) >= LOOKUP_GROUPS_CACHED:
             self._groups.clear()  # the pool changed many times: start over
         self._groups[(model, workers)] = groups
@@ -357,7 +442,7 @@ class RedisStore:
             if alive:
                 continue
             keys = self._holder(record.model, record.worker_id)
-            await self._call(self._reap_index(keys=keys, args=[record.epoch]))
+            await self._call(self._reap_index(keys=keys, args=[record.epoch, record.worker_id]))
             keys = [self.keys.workers, self.keys.alive(record.worker_id)]
             if await self._call(
                 self._reap_record(keys=keys, args=[record.worker_id, record.epoch])

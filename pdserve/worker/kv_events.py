@@ -107,7 +107,9 @@ def to_ops(events: Iterable[Any]) -> list[BlockOps]:
         elif getattr(event, "group_idx", None) not in (None, 0):
             continue
         elif kind == "BlockStored" and not event.lora_name:
-            ops.append(BlockOps(stored=[_hash(h) for h in event.block_hashes]))
+            # No parent: the first block stored is a prompt's first (lookups start there).
+            first = getattr(event, "parent_block_hash", None) is None
+            ops.append(BlockOps(stored=[_hash(h) for h in event.block_hashes], starts_prompt=first))
         elif kind == "BlockRemoved":
             ops.append(BlockOps(removed=[_hash(h) for h in event.block_hashes]))
     return ops
@@ -246,7 +248,11 @@ class EventSink:
         """Replace this worker's entries with the copy's whole set."""
         try:
             claimed = await self.index.replace_worker(
-                self.model, self.worker, self.mirror.hashes(), self.epoch
+                self.model,
+                self.worker,
+                self.mirror.hashes(),
+                self.epoch,
+                first_blocks=self.mirror.first_blocks(),
             )
         except IndexUnavailable:
             await asyncio.sleep(1.0)

@@ -18,16 +18,16 @@ from pdserve.worker import kv_events
 from pdserve.worker.block_mirror import BlockMirror
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
-from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config
+from pdserve.worker.kv_events import EventEndpoints, EventSink, events_config, to_ops
 from pdserve.worker.registration import IndexLink, Load
 
 M, W = "model", "prefill-0"
 
 
-def stored(*hashes: int) -> Any:
+def stored(*hashes: int, parent: int | None = None) -> Any:
     from vllm.distributed.kv_events import BlockStored
 
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=[],
                        block_size=128, lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
 
 
@@ -232,6 +232,16 @@ def test_the_copy_follows_the_index_operations_and_stays_within_the_engine() -> 
     assert mirror.hashes() == [4, 2, 5]
     assert mirror.apply([BlockOps(cleared=True, stored=[9])]) == []
     assert mirror.hashes() == [9]
+
+
+def test_a_prompts_first_block_is_known_from_its_event_and_kept_for_rewrites() -> None:
+    ops = to_ops([stored(1, 2), stored(3, parent=2), stored(7)])
+    assert [op.first_blocks for op in ops] == [[1], (), [7]]
+    mirror = BlockMirror(max_blocks=4)
+    mirror.apply(ops)
+    assert sorted(mirror.first_blocks()) == [1, 7]
+    mirror.apply([BlockOps(removed=[7]), BlockOps(stored=[8, 9], starts_prompt=False)])
+    assert mirror.first_blocks() == []  # 7 removed; 1 dropped as the oldest beyond 4 blocks
 
 
 def _encode(event: Any) -> bytes:

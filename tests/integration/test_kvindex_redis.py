@@ -47,7 +47,12 @@ async def test_clearing_removes_exactly_one_workers_entries(store: RedisStore) -
     assert await store.longest_prefixes(M, [1], ["p1"]) == {"p1": 0}
     assert await store.longest_prefixes(M, [5], ["p1"]) == {"p1": 1}
     keys = {k for k in await store.client.keys("*model-a*")}
-    assert keys == {store.keys.holder_blocks(M, "p1").encode()}
+    starts = store.keys.group_starts(M, group_of("p1"))
+    assert keys == {
+        k.encode()
+        for k in (store.keys.holder_blocks(M, "p1"), store.keys.holder_starts(M, "p1"), starts)
+    }  # p0's entries, its first blocks and their entries in its group's starts are all gone
+    assert await store.client.zrange(starts, 0, -1) == [(5).to_bytes(8, "big") + b"p1"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
@@ -59,13 +64,16 @@ async def test_the_fence_rule_as_in_memory(
 
 async def test_a_holder_is_one_set_of_8_byte_hashes_in_its_groups_slot(store: RedisStore) -> None:
     epoch = new_epoch()
-    await store.replace_worker(M, "p0", [1, 2**64 - 1], epoch)
+    await store.replace_worker(M, "p0", [1, 2**64 - 1], epoch, first_blocks=[1])
     blocks, fence = store.keys.holder_blocks(M, "p0"), store.keys.fence(M, "p0")
     assert await store.client.smembers(blocks) == {(1).to_bytes(8, "big"), b"\xff" * 8}
     assert await store.client.get(fence) == epoch.encode()
-    assert set(await store.client.keys("*")) == {blocks.encode(), fence.encode()}
+    first, starts = store.keys.holder_starts(M, "p0"), store.keys.group_starts(M, group_of("p0"))
+    assert await store.client.smembers(first) == {(1).to_bytes(8, "big")}
+    assert await store.client.zrange(starts, 0, -1) == [(1).to_bytes(8, "big") + b"p0"]
+    assert set(await store.client.keys("*")) == {k.encode() for k in (blocks, fence, first, starts)}
     tag = f"{{pdserve:{M}:g{group_of('p0')}}}"
-    assert blocks.startswith(tag) and fence.startswith(tag)  # one slot for a fenced write
+    assert all(k.startswith(tag) for k in (blocks, fence, first, starts))  # one slot: one script
     assert len({group_of(f"worker-{i}") for i in range(256)}) == GROUPS
 
 
@@ -81,6 +89,7 @@ async def test_matches_the_in_memory_index_on_a_random_history(store: RedisStore
             stored=rng.sample(range(30), rng.randint(0, 5)),
             removed=rng.sample(range(30), rng.randint(0, 3)),
             cleared=rng.random() < 0.05,
+            starts_prompt=rng.random() < 0.7,
         )
         for index in (memory, store):
             await index.apply(M, worker, [op])
@@ -137,8 +146,8 @@ async def test_registry_heartbeats_expire_and_epochs_must_match(store: RedisStor
 async def test_dead_workers_are_reaped_with_exactly_their_entries(store: RedisStore) -> None:
     await store.announce(WorkerRecord("p0", "prefill", "a:1", "e0", M), ttl_s=0.2)
     await store.announce(WorkerRecord("p1", "prefill", "a:2", "e1", M), ttl_s=30)
-    await store.replace_worker(M, "p0", [1, 2], "e0")
-    await store.replace_worker(M, "p1", [1], "e1")
+    await store.replace_worker(M, "p0", [1, 2], "e0", first_blocks=[1])
+    await store.replace_worker(M, "p1", [1], "e1", first_blocks=[1])
     await asyncio.sleep(0.4)
     assert await store.reap_dead() == ["p0"]
     assert await store.longest_prefixes(M, [1, 2], ["p0", "p1"]) == {"p0": 0, "p1": 1}
@@ -152,12 +161,14 @@ async def test_a_worker_restarted_under_the_same_name_is_not_reaped(store: Redis
     await asyncio.sleep(0.4)
     records = await store._records()  # a gateway has read the dead record...
     await store.announce(WorkerRecord("p0", "prefill", "a:1", "new", M), ttl_s=30)
-    await store.replace_worker(M, "p0", [7], "new")  # ...the new incarnation works...
+    await store.replace_worker(
+        M, "p0", [7], "new", first_blocks=[7]
+    )  # ...the new incarnation works...
     ((record, alive),) = records
     assert not alive
     # ...and the reap of the old one is a no-op, in both of its slots
     keys = [store.keys.holder_blocks(M, "p0"), store.keys.fence(M, "p0")]
-    assert await store._reap_index(keys=keys, args=[record.epoch]) == 0
+    assert await store._reap_index(keys=keys, args=[record.epoch, record.worker_id]) == 0
     keys = [store.keys.workers, store.keys.alive("p0")]
     assert await store._reap_record(keys=keys, args=["p0", record.epoch]) == 0
     assert await store.longest_prefixes(M, [7], ["p0"]) == {"p0": 1}

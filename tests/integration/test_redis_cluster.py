@@ -83,7 +83,9 @@ async def test_a_models_index_spreads_over_the_masters(empty: LocalRedisCluster)
     workers = [f"w{i}" for i in range(64)]
     async with opened(empty) as store:
         for i, w in enumerate(workers):
-            assert await store.replace_worker(M, w, list(range(i % 7)), new_epoch())
+            assert await store.replace_worker(
+                M, w, list(range(i % 7)), new_epoch(), first_blocks=[0]
+            )
         ports = {empty.master_of(store.keys.holder_blocks(M, w)).port for w in workers}
         assert len(ports) == 3 < GROUPS  # the groups' slots lie on every master
         got = await store.longest_prefixes(M, [0, 1, 2, 3, 4, 5], workers)
@@ -95,7 +97,7 @@ async def test_registry_announce_expire_withdraw_and_reap(empty: LocalRedisClust
     async with opened(empty) as store:
         await store.announce(WorkerRecord("p0", "prefill", "a:1", epoch, M), ttl_s=0.3)
         await store.announce(WorkerRecord("p1", "prefill", "a:2", new_epoch(), M), ttl_s=30)
-        await store.replace_worker(M, "p0", [1, 2], epoch)
+        await store.replace_worker(M, "p0", [1, 2], epoch, first_blocks=[1])
         assert {r.worker_id for r in await store.alive_workers()} == {"p0", "p1"}
         assert await store.recorded_epoch("p0") == epoch
         deadline = time.monotonic() + 10

@@ -24,9 +24,9 @@ async def held(index: PrefixIndex, holder: str, hashes: list[int]) -> int:
 async def late_events_of_an_older_life_are_dropped(index: PrefixIndex) -> None:
     """A worker restarted: the new life rewrote its set; a step the old life sent before it
     died lands afterwards and must not add its blocks (nor remove the new ones)."""
-    assert await index.replace_worker(M, "p0", [1, 2], OLD)
+    assert await index.replace_worker(M, "p0", [1, 2], OLD, first_blocks=[1])
     assert await index.apply(M, "p0", [BlockOps(stored=[3])], OLD)
-    assert await index.replace_worker(M, "p0", [7, 8], NEW)
+    assert await index.replace_worker(M, "p0", [7, 8], NEW, first_blocks=[7])
     assert not await index.apply(M, "p0", [BlockOps(stored=[1, 2, 3], removed=[7])], OLD)
     assert not await index.apply(M, "p0", [BlockOps(cleared=True)], OLD)
     assert await held(index, "p0", [1, 2, 3]) == 0
@@ -36,8 +36,8 @@ async def late_events_of_an_older_life_are_dropped(index: PrefixIndex) -> None:
 
 
 async def a_rewrite_from_an_older_life_cannot_take_the_fence_back(index: PrefixIndex) -> None:
-    assert await index.replace_worker(M, "p0", [7], NEW)
-    assert not await index.replace_worker(M, "p0", [1, 2], OLD)
+    assert await index.replace_worker(M, "p0", [7], NEW, first_blocks=[7])
+    assert not await index.replace_worker(M, "p0", [1, 2], OLD, first_blocks=[1])
     assert not await index.clear_worker(M, "p0", OLD)
     assert await held(index, "p0", [7]) == 1
     assert await held(index, "p0", [1]) == 0
@@ -50,11 +50,11 @@ async def a_cleared_holder_is_claimed_again_by_a_rewrite(index: PrefixIndex) -> 
     """A clear forgets set and fence: the same life's next step is dropped (it does not own
     a fence any more), and its rewrite claims the holder again (what a worker whose entries
     a gateway reaped does)."""
-    assert await index.replace_worker(M, "p0", [1, 2], OLD)
+    assert await index.replace_worker(M, "p0", [1, 2], OLD, first_blocks=[1])
     assert await index.clear_worker(M, "p0", OLD)
     assert not await index.apply(M, "p0", [BlockOps(stored=[3])], OLD)
     assert await index.worker_block_count(M, "p0") == 0
-    assert await index.replace_worker(M, "p0", [1, 2, 3], OLD)
+    assert await index.replace_worker(M, "p0", [1, 2, 3], OLD, first_blocks=[1])
     assert await held(index, "p0", [1, 2, 3]) == 3
 
 
@@ -67,7 +67,7 @@ async def unfenced_holders_keep_working(index: PrefixIndex) -> None:
     assert await index.clear_worker(M, holder)
     assert await index.worker_block_count(M, holder) == 0
     # an epoch-less write cannot touch a holder a worker life owns
-    assert await index.replace_worker(M, "p0", [1], NEW)
+    assert await index.replace_worker(M, "p0", [1], NEW, first_blocks=[1])
     assert not await index.apply(M, "p0", [BlockOps(stored=[2])])
     assert not await index.replace_worker(M, "p0", [])
 
