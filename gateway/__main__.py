@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from pydantic import ValidationError
@@ -41,6 +42,10 @@ async def _serve(settings: GatewaySettings) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The model is a local directory: nothing comes from a model hub. Set before anything
+    # imports huggingface_hub (it reads this once), so vLLM's tokenizer says so as vllm serve's
+    # does when run offline (local_files_only in /tokenizer_info).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pdlog.setup("gateway")
     tracing.setup("gateway")
     try:

@@ -16,9 +16,7 @@ they are called on one built without an engine (``object.__new__``).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
@@ -104,23 +102,3 @@ class AnthropicApi:
                 error=self._protocol.AnthropicError(type="api_error", message=failed[0]["message"]),
             )
             yield f"event: error\ndata: {error.model_dump_json(exclude_unset=True)}\n\n"
-
-
-class AnthropicLoader:
-    """Builds the ``AnthropicApi`` once, on first use, in a thread (the import is slow)."""
-
-    def __init__(self, chat_template: str | None) -> None:
-        self._chat_template = chat_template
-        self._api: AnthropicApi | None = None
-        self._lock = threading.Lock()
-
-    def _build(self) -> AnthropicApi:
-        with self._lock:
-            if self._api is None:
-                self._api = AnthropicApi(self._chat_template)
-            return self._api
-
-    async def get(self) -> AnthropicApi:
-        if self._api is not None:
-            return self._api
-        return await asyncio.to_thread(self._build)

@@ -133,6 +133,11 @@ class GatewaySettings(BaseSettings):
         description="as vLLM's flag: tool_choice auto (the default with tools) lets the model "
         "decide; needs tool_call_parser",
     )
+    enable_tokenizer_info_endpoint: bool = Field(
+        default=False,
+        description="as vLLM's flag: serve GET /tokenizer_info (it may expose the chat template "
+        "and the tokenizer's configuration)",
+    )
     reasoning_parser: str = Field(
         default="",
         description="vLLM's reasoning parser of chat output, e.g. qwen3 (as vLLM's flag; "

@@ -3,12 +3,14 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``stream: true`` SSE),
 ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API, by vLLM's
 conversion: ``gateway.anthropic_api``),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``
-and the OpenAPI document at ``/openapi.json``. Every response carries ``x-request-id`` (the
-client's, when sane, else a new one). Errors are OpenAI-shaped JSON
-``{"error": {"message", "type", "param", "code"}}`` (``gateway.http_errors``). With API keys
-configured, every route except ``/health``, ``/metrics`` and ``/openapi.json`` needs
-``Authorization: Bearer <key>`` (checked by ``gateway.auth``).
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /load``,
+``GET /tokenizer_info`` (with ``enable_tokenizer_info_endpoint``: ``gateway.tokenizer_info``),
+``GET /health``, ``GET /metrics`` and the OpenAPI document at ``/openapi.json``. Every
+response carries ``x-request-id`` (the client's, when sane, else a new one). Errors are
+OpenAI-shaped JSON ``{"error": {"message", "type", "param", "code"}}``
+(``gateway.http_errors``). With API keys configured, every route except ``/health``,
+``/metrics`` and ``/openapi.json`` needs ``Authorization: Bearer <key>`` (checked by
+``gateway.auth``).
 """
 
 from __future__ import annotations
@@ -30,17 +32,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openai_format as fmt
 from gateway import request_log
-from gateway.anthropic_api import AnthropicApi, AnthropicLoader
+from gateway.anthropic_api import AnthropicApi
 from gateway.auth import ApiKeys
 from gateway.chat_parsing import ParsedChat, parse_chat
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
 from gateway.generation import Generation
 from gateway.http_errors import ERROR_RESPONSES, error_response
+from gateway.offload import BuiltOnce
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_serving import OpenAIResponder
 from gateway.service import GenerateRequest, GenerationService, edge_request_id
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from gateway.tokenizer_info import tokenizer_info
+from gateway.vllm_front_end import front_end
 from pdserve import __version__
 from pdserve.telemetry import tracing
 
@@ -150,7 +155,8 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         raw = await request.json() if service.chat_parsing else body.tool_fields()
         return await _serve_chat(service, request, body, raw, "chat_completions")
 
-    anthropic = AnthropicLoader(service.tokenizer.chat_template)
+    template = service.tokenizer.chat_template
+    anthropic = BuiltOnce(lambda: AnthropicApi(template))
 
     @api.post("/v1/messages", response_model=None)
     async def messages(request: Request) -> Response:
@@ -179,6 +185,15 @@ def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
     @api.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
         return await tokenize(service, body)
+
+    if service.settings.enable_tokenizer_info_endpoint:
+        model_dir = service.tokenizer.model_dir
+        vllm = BuiltOnce(lambda: front_end(model_dir))
+
+        @api.get("/tokenizer_info")
+        async def tokenizer_info_route() -> dict[str, Any]:
+            """vLLM's tokenizer configuration, by vLLM's own code (``gateway.tokenizer_info``)."""
+            return await tokenizer_info(await vllm.get())
 
     @api.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
@@ -331,6 +346,7 @@ async def _serve(
         prompt_only=isinstance(body, CompletionRequest) and body.prompt_only,
         continuous_usage=body.continuous_usage,
         logprobs=body.logprobs_count(),
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
         parsed=parsed,
     )
     if body.stream:

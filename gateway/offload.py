@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Generic, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -49,3 +50,24 @@ class Offload:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BuiltOnce(Generic[T]):
+    """``await once.get()``: ``build()``'s result, built on first use in a thread (vLLM's
+    front-end modules import torch: seconds that must not stall the event loop), then kept."""
+
+    def __init__(self, build: Callable[[], T]) -> None:
+        self._build_fn = build
+        self._value: T | None = None
+        self._lock = threading.Lock()
+
+    def _build(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = self._build_fn()
+            return self._value
+
+    async def get(self) -> T:
+        if self._value is not None:
+            return self._value
+        return await asyncio.to_thread(self._build)

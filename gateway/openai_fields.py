@@ -28,7 +28,6 @@ COMMON: dict[str, tuple[Any, str]] = {
     "priority": (0, "priority scheduling is " + _LATER),
     "request_id": (None, _LATER + ": the gateway names each request (x-request-id)"),
     "session_id": (None, _LATER),
-    "return_tokens_as_token_ids": (None, _LATER),
     "routed_experts_prompt_start": (0, _LATER),
     "return_token_offsets": (False, _LATER),
     "mm_payload": ("tensors", "multimodal input is " + _LATER),
@@ -43,7 +42,6 @@ COMMON: dict[str, tuple[Any, str]] = {
 
 CHAT: dict[str, tuple[Any, str]] = {
     **COMMON,
-    "reasoning_effort": (None, "reasoning is " + _LATER),
     "echo": (False, _LATER + " for chat"),
     "chat_template": (None, "a request's own chat template is " + _LATER),
     "media_io_kwargs": (None, "multimodal input is " + _LATER),

@@ -3,7 +3,10 @@
 Completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (top: a dict of
 token text -> logprob, the sampled token included); chat: ``{"content": [{"token", "logprob",
 "bytes", "top_logprobs": [...]}]}`` with ``top_logprobs`` entries. ``None`` stands for a token
-without a log probability (the first prompt token under ``echo``).
+without a log probability (the first prompt token under ``echo``). With ``as_token_ids``
+(vLLM's ``return_tokens_as_token_ids``) each token of either shape is written
+``"token_id:<id>"`` instead of its text, and completions' ``text_offset`` advances by those
+strings, as vLLM's do; ``prompt_logprobs`` keep their ``decoded_token``.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ def _lp(value: float) -> float:
 
 
 class LogprobFormatter:
-    def __init__(self, tokenizer: PromptTokenizer, *, top: int) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, *, top: int, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.top = top
+        self.as_token_ids = as_token_ids
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id)
+
+    def _shown(self, token_id: int) -> str:
+        """A generated (or echoed) token as the logprobs name it."""
+        return f"token_id:{token_id}" if self.as_token_ids else self._text(token_id)
 
     def prompt(
         self, token_ids: Sequence[int], entries: Sequence[common_pb2.TokenLogprob | None]
@@ -67,7 +75,7 @@ class LogprobFormatter:
             "top_logprobs": [],
         }
         for token_id, entry in zip(token_ids, entries, strict=False):
-            text = self._text(token_id)
+            text = self._shown(token_id)
             body["tokens"].append(text)
             body["text_offset"].append(offset)
             offset += len(text)
@@ -76,7 +84,7 @@ class LogprobFormatter:
                 body["top_logprobs"].append(None)
                 continue
             body["token_logprobs"].append(_lp(entry.logprob))
-            top = {self._text(t.token_id): _lp(t.logprob) for t in entry.top[: self.top + 1]}
+            top = {self._shown(t.token_id): _lp(t.logprob) for t in entry.top[: self.top + 1]}
             top.setdefault(text, _lp(entry.logprob))
             body["top_logprobs"].append(top)
         return body, offset
@@ -85,14 +93,16 @@ class LogprobFormatter:
         return {"content": [self._chat_entry(e) for e in entries]}
 
     def _chat_entry(self, entry: common_pb2.TokenLogprob) -> dict[str, Any]:
+        # A sampled token's bytes are its text's even when it is shown by id; an
+        # alternative's are those of what is shown (vLLM's _create_chat_logprobs).
         text = self._text(entry.token_id)
         return {
-            "token": text,
+            "token": self._shown(entry.token_id),
             "logprob": _lp(entry.logprob),
             "bytes": list(text.encode("utf-8")),
             "top_logprobs": [
                 {
-                    "token": (alt := self._text(t.token_id)),
+                    "token": (alt := self._shown(t.token_id)),
                     "logprob": _lp(t.logprob),
                     "bytes": list(alt.encode("utf-8")),
                 }

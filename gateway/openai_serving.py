@@ -51,12 +51,14 @@ class OpenAIResponder:
         *,
         echo: bool,
         logprobs: int | None,
+        tokens_as_ids: bool = False,
         prompt_only: bool = False,
         continuous_usage: bool = False,
         parsed: ParsedChat | None = None,
     ) -> None:
         """``continuous_usage``: every streamed chunk carries its choice's usage so far;
-        ``parsed``: a chat request whose choices vLLM's parsers read (``gateway.chat_parsing``).
+        ``parsed``: a chat request whose choices vLLM's parsers read (``gateway.chat_parsing``);
+        ``tokens_as_ids``: logprobs name tokens by id (``gateway.openai_logprobs``).
         """
         self.continuous_usage = continuous_usage
         self.service = service
@@ -70,7 +72,9 @@ class OpenAIResponder:
             for state in self.states:
                 state.parser = parsed.choice(state.generation.token_ids)
         self.logprobs = (
-            None if logprobs is None else LogprobFormatter(service.tokenizer, top=logprobs)
+            None
+            if logprobs is None
+            else LogprobFormatter(service.tokenizer, top=logprobs, as_token_ids=tokens_as_ids)
         )
 
     def routing_headers(self) -> dict[str, str]:

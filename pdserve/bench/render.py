@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.vllm_front_end import front_end
 from pdserve.placement import machine
 
 
@@ -39,26 +40,7 @@ def _rss_mib() -> float:
 
 def vllm_render(model_dir: str, engine_args: list[str]) -> Any:
     """vLLM's ``ServingRender`` for ``model_dir``, built as ``vllm launch render`` builds it."""
-    from starlette.datastructures import State
-    from vllm import AsyncEngineArgs
-    from vllm.config import VllmConfig
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-        ["--model", model_dir, *engine_args]
-    )
-    engine = AsyncEngineArgs.from_cli_args(args)
-    model_config = engine.create_model_config()
-    config = VllmConfig(
-        model_config=model_config,
-        logging_config=engine.create_logging_config(),
-        structured_outputs_config=engine.create_structured_outputs_config(),
-    )
-    state = State()
-    asyncio.run(init_render_app_state(config, state, args))
-    return state.serving_render
+    return front_end(model_dir, engine_args).serving_render
 
 
 def bodies(model: str, words: int) -> dict[str, dict[str, Any]]:

@@ -89,6 +89,9 @@ class UpSettings(BaseSettings):
     reasoning_parser: str = Field(
         "", description="the gateway's vLLM reasoning parser, e.g. qwen3 (empty: none)"
     )
+    enable_tokenizer_info_endpoint: bool = Field(
+        False, description="the gateway serves GET /tokenizer_info (as vLLM's flag)"
+    )
     host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
     http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")
     grpc_port: int = Field(shared.GATEWAY_GRPC_PORT, description="gateway gRPC port")
@@ -274,11 +277,14 @@ def worker_spec(
 
 
 def parser_flags(s: UpSettings) -> list[str]:
-    """The gateway's flags for vLLM's chat output parsers."""
+    """The gateway's flags for vLLM's chat output parsers (and vLLM's tokenizer info)."""
     flags = ["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else []
     if s.reasoning_parser:
         flags += ["--reasoning-parser", s.reasoning_parser]
-    return flags + (["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else [])
+    flags += ["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else []
+    return flags + (
+        ["--enable-tokenizer-info-endpoint"] if s.enable_tokenizer_info_endpoint else []
+    )
 
 
 def gateway_spec(s: UpSettings) -> ChildSpec:

@@ -22,7 +22,10 @@ from pdserve.bench.systems import _wait_http, child_process, monolith_argv
 from tests.e2e.cases import DTYPE
 from tests.helpers import model_dir, served_name
 
-SERVE_ARGS = f"--dtype {DTYPE} --tool-call-parser hermes --enable-auto-tool-choice"
+SERVE_ARGS = (
+    f"--dtype {DTYPE} --tool-call-parser hermes --enable-auto-tool-choice "
+    "--enable-tokenizer-info-endpoint"
+)
 
 TEXT = "The capital of France is"
 COLORS = [{"role": "user", "content": "Name three colors."}]
@@ -70,6 +73,10 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "chat": (CHAT, _chat()),
     "chat_streamed": (CHAT, _chat(stream=True, stream_options={"include_usage": True})),
     "chat_logprobs": (CHAT, _chat(logprobs=True, top_logprobs=2, max_tokens=6)),
+    "chat_logprobs_token_ids": (
+        CHAT,
+        _chat(logprobs=True, top_logprobs=2, max_tokens=6, return_tokens_as_token_ids=True),
+    ),
     "chat_stop": (CHAT, _chat(stop=["."], max_tokens=32)),
     "chat_stop_token": (CHAT, _chat(stop_token_ids=[28], max_tokens=32)),
     "chat_continue": (
@@ -116,6 +123,10 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "completion_default_max_tokens": (COMPLETIONS, {"prompt": TEXT, **GREEDY}),
     "completion_streamed": (COMPLETIONS, _completion(stream=True)),
     "completion_logprobs": (COMPLETIONS, _completion(logprobs=2, max_tokens=6)),
+    "completion_logprobs_token_ids": (
+        COMPLETIONS,
+        _completion(logprobs=2, max_tokens=6, return_tokens_as_token_ids=True),
+    ),
     "completion_echo_scoring": (COMPLETIONS, _completion(echo=True, max_tokens=0, logprobs=1)),
     "completion_truncated": (
         COMPLETIONS,
@@ -127,11 +138,14 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "completion_token_ids": (COMPLETIONS, _completion(prompt=[504, 3575, 282], max_tokens=8)),
     "completion_return_token_ids": (COMPLETIONS, _completion(return_token_ids=True, max_tokens=4)),
     "completion_too_long": (COMPLETIONS, _completion(max_tokens=10**6)),
+    "chat_reasoning_effort": (CHAT, _chat(reasoning_effort="low")),
+    "error_reasoning_effort": (CHAT, _chat(reasoning_effort="extreme")),
     "error_temperature": (CHAT, _chat(temperature=-1)),
     "error_no_messages": (CHAT, {"max_tokens": 4}),
     "error_tool_choice": (CHAT, _chat(tools=[WEATHER], tool_choice="sometimes")),
     "error_unknown_model": (CHAT, {**_chat(), "model": "no-such-model"}),
     "models": ("/v1/models", None),
+    "tokenizer_info": ("/tokenizer_info", None),
     "messages": (MESSAGES, {"max_tokens": 16, "messages": COLORS, **GREEDY}),
     "messages_streamed": (
         MESSAGES,

@@ -233,6 +233,8 @@ def cluster(
         "--kv-tier", "redis", "--kv-tier-cpu-gib", "0.25", "--kv-tier-redis-gib", "1",
         # vLLM's hermes tool-call parser in the gateway, as make up runs it (test_tools.py).
         "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+        # vLLM's /tokenizer_info, as the conformance battery's vllm serve has it.
+        "--enable-tokenizer-info-endpoint",
     ]  # fmt: skip
     # Tracing the standard way, one environment for up and all its children (each names
     # itself); a short batch delay so that spans arrive while a test waits for them.

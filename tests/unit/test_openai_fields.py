@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
 from gateway.errors import InvalidRequest
@@ -69,10 +69,8 @@ def test_structured_outputs_fields_are_honoured_or_refused() -> None:
     ("field", "value"),
     [
         ("logprob_token_ids", [1, 2]),
-        ("return_tokens_as_token_ids", True),
         ("priority", 1),
         ("kv_transfer_params", {"do_remote_decode": True}),
-        ("reasoning_effort", "low"),
         ("echo", True),
         ("chat_template", "{{ messages }}"),
         ("use_beam_search", True),
@@ -140,6 +138,23 @@ def test_chat_rendering_fields_reach_the_prompt() -> None:
     assert ChatCompletionRequest(messages=MESSAGES).to_prompt().chat.add_generation_prompt  # type: ignore[arg-type]
     prompts = CompletionRequest(prompt=["a", "b"], add_special_tokens=False).prompts()
     assert not prompts[0].add_special_tokens
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it() -> None:
+    def kwargs(**body: Any) -> Any:
+        return ChatCompletionRequest(messages=MESSAGES, **body).to_prompt().chat.template_kwargs
+
+    assert kwargs() is None
+    assert kwargs(reasoning_effort="low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert kwargs(reasoning_effort="none")["enable_thinking"] is False
+    # the request's own enable_thinking wins; its reasoning_effort does not
+    mine = {"enable_thinking": False, "reasoning_effort": "high"}
+    assert kwargs(reasoning_effort="low", chat_template_kwargs=mine) == {
+        "enable_thinking": False,
+        "reasoning_effort": "low",
+    }
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=MESSAGES, reasoning_effort="extreme")  # type: ignore[arg-type]
 
 
 def test_honoured_fields_reach_the_workers_message() -> None:
