@@ -352,8 +352,9 @@ class WorkerPool:
         pair of groups is compared once: 128 + 128 workers are 16,384 pairs but usually one
         group (comparing every pair held the event loop for tens of ms at each refresh)."""
         incompatible: dict[tuple[str, str], str] = {}
+        decode_groups = _by_compat(self.decode)
         for p_key, prefill in _by_compat(self.prefill).items():
-            for d_key, decode in _by_compat(self.decode).items():
+            for d_key, decode in decode_groups.items():
                 if p_key == d_key:
                     continue
                 why = pairing_problem(prefill[0][1], decode[0][1])
