@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.rpc.client import DEPLOYMENT_SECRET, GrpcClient
+from pdserve.rpc.client import DEPLOYMENT_SECRET, DEPLOYMENT_TLS, GrpcClient
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -17,10 +17,15 @@ class PrefillClient(GrpcClient):
     """One channel to one prefill worker; ``close()`` when done."""
 
     def __init__(
-        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = DEPLOYMENT_SECRET
+        self,
+        address: str,
+        *,
+        default_timeout_s: float = 10.0,
+        secret: Any = DEPLOYMENT_SECRET,
+        tls: Any = DEPLOYMENT_TLS,
     ) -> None:
-        """``secret``: as for ``GrpcClient`` (by default the process's deployment secret)."""
-        super().__init__(address, default_timeout_s=default_timeout_s, secret=secret)
+        """``secret``, ``tls``: as for ``GrpcClient`` (by default the process's)."""
+        super().__init__(address, default_timeout_s=default_timeout_s, secret=secret, tls=tls)
         self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
 
     async def prefill(

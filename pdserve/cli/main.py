@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("prefill_service.__main__", "run a prefill worker (vLLM, kv_producer)"),
     "decode": ("decode_service.__main__", "run a decode worker (vLLM, kv_consumer)"),
     "model": ("pdserve.model", "prepare or locate the default model"),
+    "certs": ("pdserve.cli.certs", "write a private CA and certificates for internal mutual TLS"),
     "bench": ("pdserve.bench.main", "benchmarks: KV transfer (kv), routing (routing)"),
     "generate": ("pdserve.cli.generate", "stream a completion from the gateway (gRPC API)"),
     "chat": ("pdserve.cli.chat", "chat with the model through the gateway (gRPC API)"),

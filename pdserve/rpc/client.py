@@ -5,7 +5,8 @@ One place creates a ``grpc.aio`` channel with the same message-size limits as th
 ``x-request-id``, the current span's W3C trace context as ``traceparent``; with a deployment
 secret each call carries its ``pdserve.rpc.auth`` token, so worker clients made anywhere in
 the process authenticate; once a worker's GetCapabilities reply has announced its id, the
-tokens are bound to it, and other workers refuse them), turns
+tokens are bound to it, and other workers refuse them; with a TLS identity, by default the
+process's ``PDSERVE_TLS_DIR``, the channel is mutual TLS: ``pdserve.rpc.tls``), turns
 ``grpc.aio.AioRpcError`` into ``RpcCallError`` (so that callers never
 depend on grpc's exception types), and closes the channel.
 """
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdserve.rpc import tls as rpc_tls
 from pdserve.rpc.server import MAX_MESSAGE_BYTES
 from pdserve.telemetry import tracing
 
@@ -72,6 +74,7 @@ def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
 
 
 DEPLOYMENT_SECRET: Any = object()  # GrpcClient's default: pdserve.rpc.secret.deployment_secret()
+DEPLOYMENT_TLS: Any = rpc_tls.DEPLOYMENT_TLS  # GrpcClient's default: rpc_tls.deployment_tls()
 
 
 class GrpcClient:
@@ -82,10 +85,17 @@ class GrpcClient:
     """
 
     def __init__(
-        self, address: str, *, default_timeout_s: float = 10.0, secret: Any = DEPLOYMENT_SECRET
+        self,
+        address: str,
+        *,
+        default_timeout_s: float = 10.0,
+        secret: Any = DEPLOYMENT_SECRET,
+        tls: Any = DEPLOYMENT_TLS,
     ) -> None:
         """``secret``: bytes, None (send no token), or by default the process's deployment
-        secret (``pdserve.rpc.secret.deployment_secret``)."""
+        secret (``pdserve.rpc.secret.deployment_secret``). ``tls``: a
+        ``pdserve.rpc.tls.TlsIdentity``, None (plain text), or by default the process's
+        (``PDSERVE_TLS_DIR``)."""
         from pdserve.rpc.secret import deployment_secret
 
         self.address = address
@@ -94,7 +104,8 @@ class GrpcClient:
         # The id the worker at ``address`` announced in its last GetCapabilities reply: tokens
         # are bound to it ("": none announced, or a call since was refused UNAUTHENTICATED).
         self.worker_id = ""
-        self.channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self.tls: rpc_tls.TlsIdentity | None = rpc_tls.resolve(tls)
+        self.channel = rpc_tls.aio_channel(address, CLIENT_OPTIONS, self.tls)
 
     def _metadata(
         self, method: str, request: Any, request_id: str | None

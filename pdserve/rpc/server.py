@@ -4,7 +4,8 @@ One place creates a ``grpc.aio`` server with grpc.health.v1 health and server re
 binds it, and stops it gracefully; services only register their servicers. A server given the
 deployment secret (a worker) also refuses unauthenticated calls unread (``pdserve.rpc.auth``),
 bounds the streams one connection may have open at once and keeps each stream's receive window
-at 64 KiB (``WORKER_OPTIONS``).
+at 64 KiB (``WORKER_OPTIONS``). A server given a TLS identity (``pdserve.rpc.tls``) listens
+with mutual TLS only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.rpc.tls import TlsIdentity
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +68,18 @@ class GrpcServer:
         service_names: Iterable[str],
         secret: bytes | None = None,
         worker_id: str = "",
+        tls: TlsIdentity | None = None,
     ) -> None:
         """With ``secret``, every call but health and reflection must carry a valid
         ``pdserve.rpc.auth`` token (internal services: the workers), refused unread without
         one, and the server runs with ``WORKER_OPTIONS``. ``worker_id`` (with ``secret``): this
-        worker's own name, announced to clients; tokens bound to another worker are refused."""
+        worker's own name, announced to clients; tokens bound to another worker are refused.
+        ``tls``: listen with mutual TLS only (``TlsIdentity.server_credentials``; ValueError
+        when its certificate does not name ``pdserve.rpc.tls.SERVER_NAME``)."""
         from pdserve.rpc.auth import AuthInterceptor
 
         self.address = f"{host}:{port}"
+        self.credentials = tls.server_credentials() if tls is not None else None
         options = list(SERVER_OPTIONS)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if secret is not None:
@@ -94,7 +101,10 @@ class GrpcServer:
         await self.set_serving(serving)
         try:
             # grpcio raises RuntimeError("Failed to bind ...") where older ones returned 0.
-            self.port = self.server.add_insecure_port(self.address)
+            if self.credentials is not None:
+                self.port = self.server.add_secure_port(self.address, self.credentials)
+            else:
+                self.port = self.server.add_insecure_port(self.address)
         except RuntimeError:
             self.port = 0
         if self.port == 0:

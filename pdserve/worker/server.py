@@ -19,6 +19,7 @@ from pdserve.placement import front_cores
 from pdserve.rpc.client import ERROR_REASON_METADATA
 from pdserve.rpc.secret import SECRET_FILE_ENV, deployment_secret, is_loopback
 from pdserve.rpc.server import GrpcServer, stop_event_on_signals
+from pdserve.rpc.tls import deployment_tls
 from pdserve.runtime.heap import freeze_startup_objects
 from pdserve.telemetry import tracing
 from pdserve.worker import kv_tier
@@ -157,6 +158,7 @@ async def serve(
     try:
         model = resolve_model(settings.model or None)
         secret = deployment_secret()
+        tls = deployment_tls()
         kv_tier.check(settings)
         check_connector(settings)
     except ValueError as exc:
@@ -164,15 +166,19 @@ async def serve(
         return 1
     if secret is None and not _may_run_open(settings):
         return 1
-    server = GrpcServer(
-        settings.host, settings.port, [register], [service_name], secret, worker_id=settings.name
-    )
+    try:
+        server = GrpcServer(settings.host, settings.port, [register], [service_name], secret,
+                            worker_id=settings.name, tls=tls)  # fmt: skip
+    except ValueError as exc:  # a certificate without the internal name
+        log.error("%s", exc)
+        return 1
     try:
         await server.start(serving=False)  # NOT_SERVING until the engine has loaded
     except (OSError, RuntimeError) as exc:
         log.error("cannot serve gRPC on %s:%d: %s", settings.host, settings.port, exc)
         return 1
-    log.info("%s listening on %s:%d, loading %s", settings.name, settings.host, server.port, model)
+    log.info("%s listening on %s:%d%s, loading %s", settings.name, settings.host, server.port,
+             " (mutual TLS)" if tls else "", model)  # fmt: skip
     stop = stop_event_on_signals()
     load = Load()
     link = IndexLink(settings, load) if settings.redis_url else None
