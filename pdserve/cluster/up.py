@@ -1,9 +1,10 @@
 """``pdserve up``: a local cluster (prefill workers, decode workers, gateway), supervised.
 
 Every vLLM engine gets its own GPU or its own CPU cores (``pdserve.placement.engines``); on GPUs the
-workers move KV caches with vLLM's NixlConnector (``pdserve.cluster.gpu``). Starting, readiness,
-logs, restarts and shutdown are pdserve.cluster.supervisor's job; every process (workers, gateway,
-the private redis-server) is one of its children.
+workers move KV caches with vLLM's NixlConnector (``pdserve.cluster.gpu``). The gateway and the
+workers talk mutual TLS with certificates of a private CA made for this run (``tls_env``).
+Starting, readiness, logs, restarts and shutdown are pdserve.cluster.supervisor's job; every
+process (workers, gateway, the private redis-server) is one of its children.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from pdserve.placement.engines import (
     place_engines,
     usable_cores,
 )
+from pdserve.rpc import tls as rpc_tls
 from pdserve.rpc.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.worker.core_lending import CoreTable
 
@@ -144,6 +146,12 @@ class UpSettings(BaseSettings):
         description="CPU, each engine on cores of its own: decode engines also compute on the "
         "prefill engines' cores while those have nothing to compute (docs/benchmarks.md)",
     )
+    internal_tls: bool = Field(
+        True,
+        description="mutual TLS between the gateway and the workers, with a private CA and a "
+        "certificate per process made in <log-dir>/tls (or PDSERVE_TLS_DIR's, for all); "
+        "--no-internal-tls: plain text, authenticated by the deployment secret only",
+    )
     log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
     startup_timeout_s: float = Field(
         600.0, gt=0, description="give up if not all ready by then (a restart: only a warning)"
@@ -176,13 +184,14 @@ class UpSettings(BaseSettings):
         return self
 
 
-def grpc_serving(address: str) -> ReadyCheck:
-    """Ready once grpc.health.v1 ``Check(service="")`` answers SERVING."""
+def grpc_serving(address: str, tls: rpc_tls.TlsIdentity | None = None) -> ReadyCheck:
+    """Ready once grpc.health.v1 ``Check(service="")`` answers SERVING (over mutual TLS with
+    ``tls``)."""
 
     async def check() -> bool:
         # The worker is on this machine: never go through an http_proxy from the environment.
         options = [("grpc.enable_http_proxy", 0)]
-        async with grpc.aio.insecure_channel(address, options=options) as channel:
+        async with rpc_tls.aio_channel(address, options, tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service="")
             try:
@@ -252,9 +261,11 @@ def worker_spec(
     placement: Placement,
     connector: str = "pdserve",
     after: tuple[str, ...] = (),
+    tls: rpc_tls.TlsIdentity | None = None,
 ) -> ChildSpec:
     """``role`` is "prefill" or "decode"; worker ``i`` takes port base + ``i``; with nixl, its
-    side-channel port is ``--nixl-port`` + its place among all workers (prefill first)."""
+    side-channel port is ``--nixl-port`` + its place among all workers (prefill first).
+    ``tls``: the identity its readiness probe dials with."""
     name = f"{role}-{index}"
     if role == "prefill":
         port, engine_args = s.prefill_port + index, s.prefill_engine_args
@@ -272,7 +283,7 @@ def worker_spec(
     flags = ["--worker-id", name, "--port", str(port), *kv_flags, *redis, *tier]
     argv = _pdserve(role, *flags, *_engine_flags(s, placement, engine_args))
     env = {**CHILD_ENV, **placement.env}
-    ready = grpc_serving(f"127.0.0.1:{port}")
+    ready = grpc_serving(f"127.0.0.1:{port}", tls)
     return ChildSpec(name, argv, env, ready, stop_stage=1, after=after)
 
 
@@ -306,12 +317,16 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
 
 
 def build_specs(
-    s: UpSettings, gpus: Sequence[str], cores: Sequence[int], lending_table: str = ""
+    s: UpSettings,
+    gpus: Sequence[str],
+    cores: Sequence[int],
+    lending_table: str = "",
+    tls: rpc_tls.TlsIdentity | None = None,
 ) -> tuple[list[ChildSpec], str | None]:
     """Workers first, then the gateway (stopped first: stop_stage 0); and a sharing warning.
     With ``lending_table``, decode engines borrow the prefill engines' cores where
-    ``placement.lend_cores`` allows it. Raises ``up_gpu.ConnectorError`` when the requested
-    connector cannot run here."""
+    ``placement.lend_cores`` allows it; with ``tls``, the workers' readiness probes dial with
+    it. Raises ``up_gpu.ConnectorError`` when the requested connector cannot run here."""
     connector = up_gpu.connector_for(s.kv_connector, gpus)
     placements, warning = place_engines(s.prefill + s.decode, gpus, cores)
     if lending_table:
@@ -324,7 +339,7 @@ def build_specs(
     specs = []
     for i, name in enumerate(names):
         role, index = name.split("-")
-        specs.append(worker_spec(s, role, int(index), placements[i], connector, after[i]))
+        specs.append(worker_spec(s, role, int(index), placements[i], connector, after[i], tls))
     return [*specs, gateway_spec(s)], warning
 
 
@@ -533,10 +548,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(credentials_env(s))
     cores = usable_cores()
     table = lending_table(s, gpus, cores, log_dir)
-    specs, warning = build_specs(s, gpus, cores, table)
+    tls_dirs = tls_env(s, log_dir)
+    tls = rpc_tls.load(tls_dirs[PROBE_IDENTITY][rpc_tls.TLS_DIR_ENV]) if tls_dirs else None
+    specs, warning = build_specs(s, gpus, cores, table, tls)
     front_env = front_cores_env(s, gpus, cores)
     specs = [
-        *redis, *(replace(spec, env={**spec.env, **secret_env, **front_env}) for spec in specs)
+        *redis,
+        *(replace(spec, env={**spec.env, **secret_env, **front_env, **tls_dirs.get(spec.name, {})})
+          for spec in specs),
     ]  # fmt: skip
     if warning:
         print(warning, flush=True)
@@ -583,6 +602,33 @@ def deployment_secret_env(log_dir: Path) -> dict[str, str]:
     if secret_file():
         return {SECRET_FILE_ENV: str(Path(secret_file()).resolve())}
     return {SECRET_FILE_ENV: str(write_new(_prepared(log_dir) / "secret"))}
+
+
+# The identity pdserve up's own readiness probes dial the workers with (under <log-dir>/tls).
+PROBE_IDENTITY = "up"
+
+
+def tls_env(s: UpSettings, log_dir: Path) -> dict[str, dict[str, str]]:
+    """Each process's ``PDSERVE_TLS_DIR`` by name (the gateway, every worker and
+    ``PROBE_IDENTITY``; empty with --no-internal-tls). An exported ``PDSERVE_TLS_DIR`` is
+    every process's; otherwise a fresh private CA signs one certificate per process, each in
+    ``<log-dir>/tls/<name>/`` (``pdserve.rpc.ca.write_set``; keys mode 0600, the CA's key
+    never written). Prints which."""
+    if not s.internal_tls:
+        print("pdserve up: internal traffic in plain text (--no-internal-tls)", flush=True)
+        return {}
+    names = [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
+    names += ["gateway", PROBE_IDENTITY]
+    if rpc_tls.tls_dir():
+        given = str(Path(rpc_tls.tls_dir()).resolve())
+        print(f"pdserve up: mutual TLS inside the cluster with {given}", flush=True)
+        return {name: {rpc_tls.TLS_DIR_ENV: given} for name in names}
+    from pdserve.rpc.ca import write_set
+
+    dirs = write_set(_prepared(log_dir) / "tls", names)
+    print(f"pdserve up: mutual TLS inside the cluster, a private CA's certificates in "
+          f"{log_dir / 'tls'} (--no-internal-tls: off)", flush=True)  # fmt: skip
+    return {name: {rpc_tls.TLS_DIR_ENV: str(path)} for name, path in dirs.items()}
 
 
 def _prepared(log_dir: Path) -> Path:

@@ -21,6 +21,9 @@ from typing import Any
 import psutil
 import pytest
 
+from pdserve.cluster.up import PROBE_IDENTITY
+from pdserve.rpc import tls as rpc_tls
+from pdserve.rpc.tls import TlsIdentity
 from pdserve.telemetry import otlp_receiver
 from tests.e2e.api_cases import CASES as API_CASES
 from tests.e2e.cases import DTYPE, cases, fill_cases, tier_cases
@@ -101,6 +104,12 @@ class RealCluster:
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def worker_tls(self) -> TlsIdentity | None:
+        """The identity pdserve up's own probes dial the workers with (mutual TLS), or None
+        when the cluster runs without (--no-internal-tls)."""
+        return worker_tls(self.log_dir)
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
@@ -132,11 +141,17 @@ def pid_on_port(port: int) -> int:
     raise AssertionError(f"nothing listens on port {port}")
 
 
-def _serving(port: int) -> bool:
+def worker_tls(log_dir: Path) -> TlsIdentity | None:
+    """What ``RealCluster.worker_tls`` says, for a cluster logging into ``log_dir``."""
+    path = log_dir / "tls" / PROBE_IDENTITY
+    return rpc_tls.load(path) if path.is_dir() else None
+
+
+def _serving(port: int, tls: TlsIdentity | None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with rpc_tls.channel(f"127.0.0.1:{port}", tls=tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=2
@@ -151,7 +166,8 @@ def _all_ready(found: RealCluster) -> bool:
     ports = found.ports
     workers = [ports["prefill"] + i for i in range(found.prefill_workers)]
     workers += [ports["decode"] + i for i in range(found.decode_workers)]
-    if not all(_serving(port) for port in workers):
+    tls = found.worker_tls
+    if not all(_serving(port, tls) for port in workers):
         return False
     try:
         url = f"http://127.0.0.1:{ports['http']}/health"

@@ -270,11 +270,12 @@ def test_vllm_bench_serve_completes_without_failures(cluster: RealCluster, tmp_p
     assert result.get("failed", 0) == 0, result
 
 
-async def _decode_load(address: str, secret: bytes | None) -> Any:
-    """The decode worker's own load report (its calls need the deployment's secret)."""
+async def _decode_load(address: str, secret: bytes | None, tls: Any) -> Any:
+    """The decode worker's own load report (its calls need the deployment's secret and a
+    certificate of its CA)."""
     from decode_service.client import DecodeClient
 
-    async with DecodeClient(address, secret=secret) as client:
+    async with DecodeClient(address, secret=secret, tls=tls) as client:
         caps = await client.capabilities(timeout=5)
     return caps.load
 
@@ -313,7 +314,7 @@ async def test_grpc_reflection_health_stream_and_cancel(cluster: RealCluster) ->
             received += len(piece.token_ids)
             if received >= 4:
                 break
-        loads = {a: await _decode_load(a, secret) for a in decode}
+        loads = {a: await _decode_load(a, secret, cluster.worker_tls) for a in decode}
         await stream.aclose()  # cancels the RPC mid-stream
     # The stream is on exactly one decode worker (nothing else runs now).
     busy = [a for a, load in loads.items() if load.in_flight >= 1 and load.running >= 1]
@@ -321,7 +322,7 @@ async def test_grpc_reflection_health_stream_and_cancel(cluster: RealCluster) ->
     deadline = time.monotonic() + 60
     load = loads[busy[0]]
     while time.monotonic() < deadline:
-        load = await _decode_load(busy[0], secret)
+        load = await _decode_load(busy[0], secret, cluster.worker_tls)
         if load.in_flight == 0 and load.running == 0:
             break
         await asyncio.sleep(0.2)

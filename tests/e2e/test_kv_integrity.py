@@ -61,14 +61,14 @@ async def decode_all(
 async def test_a_hand_off_for_another_prompt_is_refused_and_nothing_is_cached(
     cluster: RealCluster,
 ) -> None:
-    secret = load_secret(cluster.log_dir / "secret")
+    secret, tls = load_secret(cluster.log_dir / "secret"), cluster.worker_tls
     prefill = f"127.0.0.1:{worker_flag(cluster, 'prefill-0', '--port')}"
     decode = f"127.0.0.1:{worker_flag(cluster, 'decode-0', '--port')}"
     prompt_a, prompt_b = fresh_prompt(), fresh_prompt()
     params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0)
     async with (
-        PrefillClient(prefill, secret=secret, default_timeout_s=300) as p,
-        DecodeClient(decode, secret=secret) as d,
+        PrefillClient(prefill, secret=secret, tls=tls, default_timeout_s=300) as p,
+        DecodeClient(decode, secret=secret, tls=tls) as d,
     ):
         handoff_a = (await p.prefill(f"a-{uuid.uuid4()}", prompt_a, params)).kv_transfer_params
         # A's blocks with B's prompt (same block count): refused before the engine.
@@ -108,8 +108,11 @@ async def test_workers_refuse_calls_and_kv_connections_without_the_secret(
     decode = f"127.0.0.1:{worker_flag(cluster, 'decode-0', '--port')}"
     wrong_file = tmp_path / "wrong"
     wrong_file.write_text("w" * 64)
+    tls = cluster.worker_tls
+    assert tls is not None, "pdserve up runs the cluster with mutual TLS by default"
+    # A certificate of the cluster's CA does not do without the secret (defence in depth).
     for secret in (None, load_secret(wrong_file)):
-        async with DecodeClient(decode, secret=secret) as client:
+        async with DecodeClient(decode, secret=secret, tls=tls) as client:
             with pytest.raises(RpcCallError) as info:
                 await client.capabilities()
             assert info.value.code == "UNAUTHENTICATED"
@@ -117,12 +120,27 @@ async def test_workers_refuse_calls_and_kv_connections_without_the_secret(
             release("127.0.0.1", worker_flag(cluster, "prefill-0", "--kv-port"), "x", secret=secret)
 
 
+async def test_workers_refuse_clients_without_a_certificate_of_the_clusters_ca(
+    cluster: RealCluster,
+) -> None:
+    """The secret does not do without a certificate: plain text is refused in the handshake."""
+    secret = load_secret(cluster.log_dir / "secret")
+    for role, client_class in (("prefill-0", PrefillClient), ("decode-0", DecodeClient)):
+        address = f"127.0.0.1:{worker_flag(cluster, role, '--port')}"
+        async with client_class(address, secret=secret, tls=None) as client:
+            with pytest.raises(RpcCallError) as info:
+                await client.capabilities(timeout=5)
+            assert info.value.code == "UNAVAILABLE", info.value
+        async with client_class(address, secret=secret, tls=cluster.worker_tls) as client:
+            assert (await client.capabilities(timeout=5)).worker_id == role
+
+
 async def test_a_cache_salt_keeps_kv_apart_on_both_workers(cluster: RealCluster) -> None:
     """vLLM's cache_salt through pdserve: the same prompt under another salt (or none) finds
     nothing cached, on the prefill worker, on the decode worker and after a KV transfer. Each
     part has a prompt of its own: the suite's shared KV tier rightly serves a prompt computed
     without a salt on one worker to a request without a salt on another."""
-    secret = load_secret(cluster.log_dir / "secret")
+    secret, tls = load_secret(cluster.log_dir / "secret"), cluster.worker_tls
     prefill = f"127.0.0.1:{worker_flag(cluster, 'prefill-1', '--port')}"
     decode = f"127.0.0.1:{worker_flag(cluster, 'decode-1', '--port')}"
     full = PROMPT_TOKENS // 128 * 128
@@ -131,8 +149,8 @@ async def test_a_cache_salt_keeps_kv_apart_on_both_workers(cluster: RealCluster)
         return common_pb2.SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt)
 
     async with (
-        PrefillClient(prefill, secret=secret, default_timeout_s=300) as p,
-        DecodeClient(decode, secret=secret) as d,
+        PrefillClient(prefill, secret=secret, tls=tls, default_timeout_s=300) as p,
+        DecodeClient(decode, secret=secret, tls=tls) as d,
     ):
 
         async def prefilled(prompt: list[int], salt: str | None) -> worker_pb2.PrefillResponse:

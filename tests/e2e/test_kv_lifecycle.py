@@ -113,7 +113,9 @@ async def test_a_pinned_hand_off_is_counted_and_freed_at_once_by_abort(
     request_id = f"pin-{uuid.uuid4()}"
     async with (
         httpx.AsyncClient() as http,
-        PrefillClient(address, secret=secret, default_timeout_s=300) as prefill,
+        PrefillClient(
+            address, secret=secret, tls=cluster.worker_tls, default_timeout_s=300
+        ) as prefill,
     ):
         before = await scrape(http, cluster.base_url)
         assert key in before["pinned_blocks"], before  # every worker is exported

@@ -5,12 +5,16 @@ from __future__ import annotations
 import http.server
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.cluster.up import grpc_serving, http_ok
+from pdserve.rpc import tls as rpc_tls
+from pdserve.rpc.ca import write_set
+from pdserve.rpc.server import GrpcServer
 from tests.helpers import dead_address
 
 
@@ -30,6 +34,17 @@ async def test_grpc_serving_follows_the_health_status() -> None:
         assert await check() is True
     finally:
         await server.stop(None)
+
+
+async def test_grpc_serving_dials_a_mutual_tls_worker_with_its_identity(tmp_path: Path) -> None:
+    dirs = write_set(tmp_path, ["prefill-0", "up"])
+    server = GrpcServer("127.0.0.1", 0, [], [], tls=rpc_tls.load(dirs["prefill-0"]))
+    port = await server.start()
+    try:
+        assert await grpc_serving(f"127.0.0.1:{port}", rpc_tls.load(dirs["up"]))() is True
+        assert await grpc_serving(f"127.0.0.1:{port}")() is False, "plain text is refused"
+    finally:
+        await server.stop(0)
 
 
 class _Status(http.server.BaseHTTPRequestHandler):
