@@ -6,7 +6,9 @@ Hosts and ports are resolved by the role's own settings class, so env (``PDSERVE
 and flags (``--port``) mean exactly what they mean to the server.
 
 - prefill / decode: grpc.health.v1 ``Check(service="")`` answers SERVING (workers answer
-  NOT_SERVING until their engine has loaded).
+  NOT_SERVING until their engine has loaded); over mutual TLS with the container's own
+  certificate when ``PDSERVE_TLS_DIR`` is set, as the worker then accepts nothing else (this is
+  why Kubernetes runs this script as the workers' probes: its native gRPC probe has no TLS).
 - gateway: ``GET /health`` answers 200 (the gateway has a healthy decode worker).
 - anything else (``pdserve model prepare``, ``pdserve --help``): healthy, nothing to check.
 
@@ -74,15 +76,22 @@ def check_grpc(address: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from pdserve.rpc.tls import channel, deployment_tls
+
+    try:
+        tls = deployment_tls()
+    except ValueError as exc:
+        return False, str(exc)
     # The server is in this container: never go through a proxy from the environment.
-    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(address, [("grpc.enable_http_proxy", 0)], tls) as chan:
+        stub = health_pb2_grpc.HealthStub(chan)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT_S)
         except grpc.RpcError as err:
             return False, f"{address}: {err.code().name}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{address}: {status}"
+    mode = " (mutual TLS)" if tls else ""
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{address}{mode}: {status}"
 
 
 def check_http(url: str) -> tuple[bool, str]:

@@ -58,6 +58,7 @@ ROLE_SETTINGS: dict[str, type[BaseSettings]] = {
 PROCESS_ENV = {
     "PDSERVE_CACHE_DIR": ROOT / "pdserve" / "settings.py",
     "PDSERVE_SECRET_FILE": ROOT / "pdserve" / "rpc" / "secret.py",
+    "PDSERVE_TLS_DIR": ROOT / "pdserve" / "rpc" / "tls.py",
     # Set by a worker for its engine (the KV tier's location, for kv_transfer.tier_integrity).
     "PDSERVE_KV_TIER_REMOTE_URL": ROOT / "kv_transfer" / "tier_plugin.py",
 }

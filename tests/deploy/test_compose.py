@@ -245,3 +245,36 @@ def test_model_cache_is_a_named_volume_at_the_cache_dir() -> None:
         assert mounts.get(cache) == "model-cache", f"{name}: model-cache not at {cache}"
         read_only = any(v.endswith(":ro") for v in volumes if v.split(":")[1] == cache)
         assert read_only == (s["command"][0] != "model"), f"{name}: only model prepare writes"
+
+
+def test_gateways_and_workers_mount_their_tls_identity(tmp_path: Path) -> None:
+    """Each pdserve service (CPU and GPU) has PDSERVE_TLS_DIR holding the CA and its role's
+    certificate and key, from the directory `pdserve certs` writes by default."""
+    from pdserve.cli.certs import DEFAULT_NAMES
+    from pdserve.rpc.ca import write_set
+    from pdserve.rpc.tls import CA_FILE, CERT_FILE, KEY_FILE, load
+
+    config = compose_config("--profile", "gpu")
+    default_dir = COMPOSE_FILE.parent / "tls"
+    written = write_set(tmp_path, DEFAULT_NAMES.split(","))
+    files = {name: Path(s["file"]).relative_to(default_dir) for name, s in config["secrets"].items()
+             if Path(s["file"]).is_relative_to(default_dir)}  # fmt: skip
+    checked = set()
+    for name, svc in config["services"].items():
+        if image_kind(svc) is None or role(svc) not in ("gateway", "prefill", "decode"):
+            continue
+        tls_dir = svc["environment"]["PDSERVE_TLS_DIR"]
+        mounted = {s["target"]: files[s["source"]] for s in svc["secrets"] if "target" in s}
+        assert set(mounted) == {f"{tls_dir}/{f}" for f in (CA_FILE, CERT_FILE, KEY_FILE)}, name
+        for file in (CERT_FILE, KEY_FILE):
+            assert mounted[f"{tls_dir}/{file}"] == Path(role(svc)) / file, name
+        # What the container would read, from a set as `pdserve certs` writes it.
+        container = tmp_path / "container" / name
+        container.mkdir(parents=True)
+        for target, source in mounted.items():
+            (container / Path(target).name).write_bytes((tmp_path / source).read_bytes())
+        assert load(container).names == load(written[role(svc)]).names
+        checked.add(name)
+    assert checked == {"prefill", "decode", "gateway", "gateway-2"} | GPU_STACK - {
+        "model-prepare-gpu"
+    }

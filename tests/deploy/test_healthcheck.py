@@ -12,12 +12,15 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import ModuleType
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.rpc.ca import write_set
+from pdserve.rpc.tls import TLS_DIR_ENV, load
 from tests.deploy.support import ROOT
 from tests.helpers import dead_port
 
@@ -110,6 +113,25 @@ def test_worker_serving_not_serving_and_down(
     assert rc == 0, out
     server_down = check("decode", env={"PDSERVE_DECODE_PORT": str(dead_port())})
     assert server_down[0] == 1
+
+
+def test_a_mutual_tls_worker_is_checked_with_the_containers_certificate(
+    tmp_path: Path,
+) -> None:
+    dirs = write_set(tmp_path, ["prefill", "server"])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", load(dirs["server"]).server_credentials())
+    server.start()
+    try:
+        env = {"PDSERVE_PREFILL_PORT": str(port), TLS_DIR_ENV: str(dirs["prefill"])}
+        rc, out = check("prefill", env=env)
+        assert rc == 0 and "mutual TLS" in out, out
+        rc, out = check("prefill", env={"PDSERVE_PREFILL_PORT": str(port)})
+        assert rc == 1 and "UNAVAILABLE" in out, out  # plain text is refused
+    finally:
+        server.stop(None)
 
 
 def test_gateway_health(http_server: tuple[int, dict[str, int]]) -> None:

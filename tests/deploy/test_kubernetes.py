@@ -3,10 +3,13 @@ against the Kubernetes schemas, and the policies hold on what is rendered."""
 
 from __future__ import annotations
 
+import base64
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from pdserve.cluster.redis_server import redacted
 from pdserve.worker.engine import nixl_env
@@ -19,12 +22,14 @@ from tests.deploy.support import (
     component,
     container_env,
     default,
+    find_tool,
     gib,
     ingress_allowed,
     kustomize,
     labels_match,
     objects,
     pod_spec,
+    run,
     worker_settings,
     workloads,
 )
@@ -33,6 +38,8 @@ from tests.deploy.support import (
 SCHEMA_VERSIONS = ["1.29.0", "1.37.0"]
 PDSERVE_COMPONENTS = {"gateway", "prefill", "decode"}
 WORKER_PORTS = {"prefill": default("prefill", "port"), "decode": default("decode", "port")}
+# The images' health check (deploy/docker/healthcheck.py, tests/deploy/test_healthcheck.py).
+HEALTHCHECK = ["/opt/pdserve/venv/bin/python", "/opt/pdserve/healthcheck.py"]
 
 
 def pdserve_containers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -127,9 +134,10 @@ def test_ports_and_probes_agree_with_the_settings_defaults(path: str) -> None:
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         else:
             assert ports["grpc"] == WORKER_PORTS[role]
+            # The kubelet's gRPC probe has no TLS: the image's health check script asks the
+            # worker's port (from its settings) over mutual TLS.
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert c[probe]["grpc"]["port"] == WORKER_PORTS[role], (role, probe)
-                assert "service" not in c[probe]["grpc"], "workers report health on service ''"
+                assert c[probe]["exec"]["command"] == HEALTHCHECK, (role, probe)
             # Loading takes minutes: the startup probe must allow at least 5 of them.
             startup = c["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
@@ -328,3 +336,50 @@ def test_gpu_overlay() -> None:
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
     gateway = pod_spec(deployments["pdserve-gateway"])
     assert "nvidia.com/gpu" not in gateway["containers"][0]["resources"]["limits"]
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_gateway_and_workers_mount_their_tls_secret(path: str) -> None:
+    """Internal mutual TLS: each role's pods read PDSERVE_TLS_DIR from the mounted Secret
+    pdserve-tls-<role> (kubernetes.io/tls with ca.crt, as cert-manager writes it), which
+    kustomize does not generate (docs/deploy.md)."""
+    docs = kustomize(path)
+    assert not [d for d in objects(docs, "Secret") if d.startswith("pdserve-tls")]
+    for w in workloads(docs):
+        role = component(w)
+        if role not in PDSERVE_COMPONENTS:
+            continue
+        pod = pod_spec(w)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod["containers"]:
+            tls_dir = container_env(docs, c)["PDSERVE_TLS_DIR"]
+            mounts = [m for m in c["volumeMounts"] if m["mountPath"] == tls_dir]
+            assert len(mounts) == 1 and mounts[0]["readOnly"] is True, (path, role)
+            secret = volumes[mounts[0]["name"]]["secret"]
+            assert secret["secretName"] == f"pdserve-tls-{role}", (path, role)
+            assert "items" not in secret, "ca.crt, tls.crt and tls.key under their own names"
+            assert secret["defaultMode"] & 0o007 == 0, "not readable by other users"
+
+
+def test_the_documented_tls_secrets_hold_what_the_pods_read(tmp_path: Path) -> None:
+    """`pdserve certs` and the `kubectl create secret` of docs/deploy.md (and the base's
+    kustomization) make a valid kubernetes.io/tls Secret whose keys are the files
+    ``pdserve.rpc.tls.load`` reads from the mounted directory."""
+    from pdserve.cli.certs import DEFAULT_NAMES
+    from pdserve.rpc.ca import write_set
+    from pdserve.rpc.tls import SERVER_NAME, load
+
+    names = DEFAULT_NAMES.split(",")
+    assert set(names) == PDSERVE_COMPONENTS
+    written = write_set(tmp_path / "set", names)
+    out = run([find_tool("kubectl"), "-n", "pdserve", "create", "secret", "generic",
+               "pdserve-tls-prefill", "--type=kubernetes.io/tls",
+               f"--from-file={written['prefill']}", "--dry-run=client", "-o", "yaml"])  # fmt: skip
+    secret = yaml.safe_load(out)
+    for version in SCHEMA_VERSIONS:
+        kubernetes_validate.validate(secret, version, strict=True)
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    for key, value in secret["data"].items():
+        (mounted / key).write_bytes(base64.b64decode(value))
+    assert load(mounted).names == (SERVER_NAME, "prefill")

@@ -99,7 +99,8 @@ def test_the_lookup_itself() -> None:
     assert flag_problem("prefill", "--kv-port=1") is None
     assert flag_problem("gateway", "--kv-port") is not None
     assert set(PROCESS_ENV) == {
-        "PDSERVE_CACHE_DIR", "PDSERVE_SECRET_FILE", "PDSERVE_KV_TIER_REMOTE_URL",
+        "PDSERVE_CACHE_DIR", "PDSERVE_SECRET_FILE", "PDSERVE_TLS_DIR",
+        "PDSERVE_KV_TIER_REMOTE_URL",
     }  # fmt: skip
 
 
