@@ -150,6 +150,15 @@ async def test_a_client_with_a_certificate_of_the_ca_is_served(worker: Worker) -
     assert worker.wait_for_call(PREFILL)[-1] == PREFILL
 
 
+async def test_a_certificate_without_the_secret_is_refused(worker: Worker) -> None:
+    """Defence in depth: past the handshake, the deployment secret's token is still checked."""
+    async with PrefillClient(worker.address, secret=None, tls=worker.identity) as client:
+        with pytest.raises(RpcCallError) as info:
+            await client.prefill("r-1", [1, 2, 3], common_pb2.SamplingParams())
+        assert info.value.code == "UNAUTHENTICATED"
+    assert worker.wait_for_call(PREFILL) == [PREFILL], "it passed the handshake, not the token"
+
+
 def _no_certificate(worker: Worker, certs: dict[str, Path]) -> grpc.aio.Channel:
     return secure(worker.address, grpc.ssl_channel_credentials(worker.identity.ca))
 
