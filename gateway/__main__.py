@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from gateway.config import GatewaySettings
 from pdserve.placement import front_cores
 from pdserve.rpc.server import stop_event_on_signals
+from pdserve.rpc.tls import deployment_tls
 from pdserve.runtime.heap import freeze_startup_objects
 from pdserve.settings import cli_args, from_args
 from pdserve.telemetry import log as pdlog
@@ -62,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not settings.decode_workers:
         log.warning("no decode workers configured (--decode-workers): every request gets 503")
+    try:  # the workers' clients read it when first made, perhaps long after start-up
+        tls = deployment_tls()
+    except ValueError as err:
+        log.error("cannot start the gateway: %s", err)
+        return 1
+    if tls is not None:
+        log.info("dialling the workers with mutual TLS (%s)", tls.directory)
     try:
         return asyncio.run(_serve(settings))
     except (OSError, ValueError) as err:  # bind failures, missing model or tokenizer
