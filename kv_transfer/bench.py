@@ -7,9 +7,13 @@ and times a pull from the moment the job is handed to the consumer until it repo
 (handshake, bytes, acknowledgement; connections are reused between pulls as in service). In
 the same run, alternating with the pulls, a plain process sends the same number of bytes from
 one contiguous buffer of real (resident, non-zero) memory over one persistent loopback TCP
-connection to a plain receiver.
-The ratio is raw seconds / connector seconds (1.0 = as fast as the raw socket). Every pull
-is checked byte for byte against the source blocks.
+connection to a plain receiver; and a second pair of transfer processes pulls the same blocks
+without the block tags' passes over the bytes (``bench_unchecked``), the baseline of the
+integrity check's cost. The three take turns pull by pull, in a rotating order, so that all
+see the same machine.
+The ratio is raw seconds / connector seconds (1.0 = as fast as the raw socket); the MAC's cost
+is 1 - unchecked seconds / connector seconds, the median over the rounds. Every pull is
+checked byte for byte against the source blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from kv_transfer.wire import recv_into_exact, tune
 LAYERS = 30
 MODEL_BLOCK_BYTES = 98_304  # one layer of one block of SmolLM2-135M on the CPU
 MB = 1_000_000
+UNCHECKED = "kv_transfer.bench_unchecked"  # the baseline without the block tags
 
 
 @dataclass
@@ -70,13 +75,15 @@ def make_region(geo: Geometry, total_blocks: int, seed: int) -> tuple[int, mmap.
     return fd, memory, Layout((size,), spans, total_blocks)
 
 
-def start_agent(role: str, fd: int, layout: Layout, **settings: Any) -> AgentHandle:
+def start_agent(
+    role: str, fd: int, layout: Layout, module: str = "kv_transfer.agent", **settings: Any
+) -> AgentHandle:
     """A real transfer process over the region ``fd`` (settings as in ``AgentConfig``)."""
     settings.setdefault("compat", {"bench": "1"})
     config = AgentConfig(
         role=role, layout=layout, region_fds=(os.dup(fd),), bind_host="127.0.0.1", **settings
     )
-    return AgentHandle.start(config)
+    return AgentHandle.start(config, module)
 
 
 def blocks_digest(memory: mmap.mmap, layout: Layout, blocks: list[int]) -> str:
@@ -152,38 +159,76 @@ class RawSocket:
         self.sender.wait()
 
 
-def bench_size(size_mb: float, repeat: int) -> dict[str, float]:
-    """Connector pulls and raw transfers alternate, so both see the same machine noise."""
-    geo = geometry(size_mb)
-    p_fd, p_mem, p_layout = make_region(geo, geo.blocks, seed=1)
-    c_fd, c_mem, c_layout = make_region(geo, 2 * geo.blocks + 1, seed=2)
-    producer = start_agent("producer", p_fd, p_layout)
-    consumer = start_agent("consumer", c_fd, c_layout)
-    raw_socket = RawSocket(geo.payload)
-    ours, raw = [], []
-    try:
-        for n in range(repeat + 1):  # the first round warms both paths up and is not counted
-            pull_s, raw_s = time_pull(producer, consumer, geo, n), raw_socket.time_one()
-            if n:
-                ours.append(pull_s)
-                raw.append(raw_s)
+@dataclass
+class Pair:
+    """A producer and a consumer transfer process, each over its own region."""
+
+    producer: AgentHandle
+    consumer: AgentHandle
+    p_fd: int
+    c_fd: int
+    p_mem: mmap.mmap
+    c_mem: mmap.mmap
+    p_layout: Layout
+    c_layout: Layout
+
+    @classmethod
+    def start(cls, geo: Geometry, module: str) -> Pair:
+        p_fd, p_mem, p_layout = make_region(geo, geo.blocks, seed=1)
+        c_fd, c_mem, c_layout = make_region(geo, 2 * geo.blocks + 1, seed=2)
+        producer = start_agent("producer", p_fd, p_layout, module)
+        consumer = start_agent("consumer", c_fd, c_layout, module)
+        return cls(producer, consumer, p_fd, c_fd, p_mem, c_mem, p_layout, c_layout)
+
+    def check(self, geo: Geometry) -> None:
         dst = [2 * i + 1 for i in range(geo.blocks)]
-        src_digest = blocks_digest(p_mem, p_layout, list(range(geo.blocks)))
-        if src_digest != blocks_digest(c_mem, c_layout, dst):
+        src_digest = blocks_digest(self.p_mem, self.p_layout, list(range(geo.blocks)))
+        if src_digest != blocks_digest(self.c_mem, self.c_layout, dst):
             raise RuntimeError("pulled blocks differ from the source blocks")
+
+    def stop(self) -> None:
+        self.producer.stop()
+        self.consumer.stop()
+        for fd in (self.p_fd, self.c_fd):
+            os.close(fd)
+
+
+def bench_size(size_mb: float, repeat: int) -> dict[str, float]:
+    """Connector pulls, unchecked pulls and raw transfers take turns, in a rotating order, so
+    that all three see the same machine noise."""
+    geo = geometry(size_mb)
+    pairs: list[Pair] = []
+    raw_socket = RawSocket(geo.payload)
+    times: dict[str, list[float]] = {"ours": [], "unchecked": [], "raw": []}
+    try:
+        pairs = [Pair.start(geo, "kv_transfer.agent"), Pair.start(geo, UNCHECKED)]
+        timers = {
+            "ours": lambda n: time_pull(pairs[0].producer, pairs[0].consumer, geo, n),
+            "unchecked": lambda n: time_pull(pairs[1].producer, pairs[1].consumer, geo, n),
+            "raw": lambda n: raw_socket.time_one(),
+        }
+        names = list(timers)
+        for n in range(repeat + 1):  # the first round warms all paths up and is not counted
+            for name in names[n % 3 :] + names[: n % 3]:
+                seconds = timers[name](n)
+                if n:
+                    times[name].append(seconds)
+        for pair in pairs:
+            pair.check(geo)
     finally:
         raw_socket.close()
-        producer.stop()
-        consumer.stop()
-        for fd in (p_fd, c_fd):
-            os.close(fd)
-    ours_s, raw_s = statistics.median(ours), statistics.median(raw)
+        for pair in pairs:
+            pair.stop()
+    ours_s, raw_s = statistics.median(times["ours"]), statistics.median(times["raw"])
+    unchecked = zip(times["unchecked"], times["ours"], strict=True)
     return {
         "mb": geo.payload / MB,
         "blocks": geo.blocks,
         "connector_gbps": geo.payload / ours_s / 1e9,
         "raw_gbps": geo.payload / raw_s / 1e9,
         "ratio": raw_s / ours_s,
+        "unchecked_gbps": geo.payload / statistics.median(times["unchecked"]) / 1e9,
+        "mac_cost": 1 - statistics.median(u / o for u, o in unchecked),
     }
 
 
@@ -199,18 +244,25 @@ def run(args: argparse.Namespace) -> int:
         f"KV transfer: connector vs raw loopback socket, median of {args.repeat}, "
         f"{os.cpu_count()} CPUs"
     )
-    print(f"{'MB':>7} {'blocks':>6} {'connector GB/s':>15} {'raw GB/s':>9} {'ratio':>6}")
+    print(
+        f"{'MB':>7} {'blocks':>6} {'connector GB/s':>15} {'raw GB/s':>9} {'ratio':>6} "
+        f"{'unchecked GB/s':>15} {'MAC cost':>9}"
+    )
     results = []
     for size in sizes:
         row = bench_size(size, args.repeat)
         results.append(row)
         print(
             f"{row['mb']:7.1f} {row['blocks']:6d} {row['connector_gbps']:15.2f} "
-            f"{row['raw_gbps']:9.2f} {row['ratio']:6.2f}",
+            f"{row['raw_gbps']:9.2f} {row['ratio']:6.2f} {row['unchecked_gbps']:15.2f} "
+            f"{row['mac_cost']:9.1%}",
             flush=True,
         )
     worst = min(r["ratio"] for r in results)
     print(f"lowest ratio: {worst:.2f} (target >= 0.80)")
+    large = [r["mac_cost"] for r in results if r["mb"] >= 16]
+    if large:
+        print(f"highest MAC cost from 16 MB up: {max(large):.1%} (target < 10%)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)

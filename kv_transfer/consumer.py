@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import connect_keyed
 from kv_transfer.errors import KVTransferError
-from kv_transfer.integrity import MAC_BYTES, PullMac, Session, Tracker, check
+from kv_transfer.integrity import MAC_BYTES, BlockTags, PullMac, Session, check, job_key
 from kv_transfer.peer_lanes import PeerLanes
 from kv_transfer.wire import (
     ConnectionClosed,
@@ -368,18 +368,31 @@ class Consumer:
                 f"peer offers {header['nbytes']} bytes of {header.get('req')!r}, want "
                 f"{expected} of {job['remote_req']!r}"
             )
-        return self._receive(conn, header, [v.cast("B") for v in layout.views(self.regions, local)])
+        views = [v.cast("B") for v in layout.views(self.regions, local)]
+        return self._receive(conn, header, views, len(local))
 
-    def _receive(self, conn: socket.socket, header: dict[str, Any], views: list[memoryview]) -> int:
-        """The blocks into ``views``, hashed as they arrive, then the producer's MAC; raises
-        ``IntegrityError`` (a failed pull) unless the two agree."""
+    def _receive(
+        self, conn: socket.socket, header: dict[str, Any], views: list[memoryview], count: int
+    ) -> int:
+        """The ``count`` blocks into ``views``, their tags computed as they arrive, then the
+        producer's tags and the pull's MAC (kv_transfer.integrity); raises ``IntegrityError``
+        (a failed pull) unless both agree."""
+        name, first = header.get("job"), header.get("first")
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise KVTransferError("the prefill worker's answer names no job to check its KV by")
+        if type(first) is not int or first < 0:
+            raise KVTransferError("the prefill worker's answer has no valid 'first' block")
         with self.lock:
             session = self.sessions[conn]
         mac = PullMac(session.key, session.pulls, encode_frame(header))
         session.pulls += 1
-        tracker = Tracker(mac, [v for v in views if len(v)])
-        got = recv_views(conn, views, tracker.advance)
-        check(mac.digest(), recv_exact(conn, MAC_BYTES))
+        layer_bytes = [layer.block_bytes for layer in self.config.layout.layers]
+        tags = BlockTags(job_key(self.secret, name), first, count, layer_bytes)
+        got = recv_views(conn, views, tags.tracker(views).advance)
+        trailer = recv_exact(conn, (count + 1) * MAC_BYTES)
+        mac.update(trailer[:-MAC_BYTES])
+        check(mac.digest(), trailer[-MAC_BYTES:])
+        check(tags.tags(), trailer[:-MAC_BYTES])
         return got
 
 

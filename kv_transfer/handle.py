@@ -25,9 +25,11 @@ class AgentHandle:
     port: int
 
     @classmethod
-    def start(cls, config: AgentConfig) -> AgentHandle:
+    def start(cls, config: AgentConfig, module: str = "kv_transfer.agent") -> AgentHandle:
+        """``module``: the process's entry point (the benchmark's unchecked baseline has
+        its own, ``kv_transfer.bench_unchecked``)."""
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "kv_transfer.agent", "--ctrl-fd", str(theirs.fileno())]
+        cmd = [sys.executable, "-m", module, "--ctrl-fd", str(theirs.fileno())]
         process = subprocess.Popen(
             cmd, pass_fds=[theirs.fileno(), *config.region_fds], stdin=subprocess.DEVNULL
         )

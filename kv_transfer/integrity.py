@@ -1,26 +1,35 @@
 """Integrity of the KV bytes of a pull, after the handshake.
 
-The handshake (``kv_transfer.auth``) leaves both ends of a connection with a key of their own
-(``session_key``: from the deployment secret and both nonces). For every pull served on the
-connection the producer sends, after the blocks, a MAC made with that key over a
-count of the pulls served on this connection before it (no answer can be replayed in place
-of another), the answer's header and every block byte in wire order (``PullMac``); the
-consumer computes the same over what it received and fails the pull unless they are equal.
-A flipped bit anywhere in the blocks, or bytes a third party put on the connection, is then a
-failed pull (the decode engine recomputes the prompt; it caches nothing of a failed load).
+Two MACs cover a pull's answer:
+
+- **Block tags.** Each block of a job has a tag: a MAC over the block's bytes in every layer,
+  in wire order, under the job's key, with the block's position in the job as its nonce
+  (``BlockTags``). The job's key is derived from the deployment secret and a name the producer
+  gives the job, unique for all time (a random name for the transfer process's life and a
+  count of its jobs: ``job_key``), so only a holder of the secret can make or check a tag.
+  The producer tags a job's blocks when the job registers, in a thread of its own, while
+  nothing waits for them (``Producer``): the pull sends the blocks at once and the tags after
+  them, so the sender's pass over the bytes is off the pull's path. The consumer computes the
+  tags of what it received as it arrives (``Tracker``) and compares.
+- **The pull's MAC.** The answer's header and its tags are covered by a MAC under the
+  connection's own key (``session_key``: from the deployment secret and both handshake
+  nonces) and a count of the pulls served on the connection before it (``PullMac``): no answer
+  can be replayed in place of another, on this connection or another.
+
+A flipped bit anywhere in the blocks, blocks of another job or another position, or bytes a
+third party put on the connection, are then a failed pull (the decode engine recomputes the
+prompt; it caches nothing of a failed load).
 
 The MAC is GMAC: AES-256-GCM (``cryptography``) with the MAC's input as additional data only,
 nothing encrypted, the tag as the MAC (NIST SP 800-38D); about 20 GB/s per core with VAES and
-VPCLMULQDQ, where Poly1305 made about 12. Its key is a one-time key per pull, derived from the
-connection's key with keyed BLAKE3 (vLLM depends on ``blake3``) over the pull's counter. GCM
-fails only if one key and nonce authenticate two different messages (the two tags then give away
-the hash key, and with it forgeries); no key here authenticates more than one: the connection's
-key is its own (both ends' fresh nonces), the counter never repeats on a connection, and both
-ends compute the one MAC of the one pull. The nonce can therefore be fixed (zero). Without
+VPCLMULQDQ, where Poly1305 made about 12. GCM fails only if one key and nonce authenticate two
+different messages (the two tags then give away the hash key, and with it forgeries); none
+does here: a block tag's key is its job's (no two jobs share a name) and its nonce the block's
+position, whose bytes stay pinned while the job lives (two pulls of it tag the same bytes);
+a pull's MAC has a one-time key, derived from the connection's key with keyed BLAKE3 (vLLM
+depends on ``blake3``) over the pull's counter, so its nonce can be fixed (zero). Without
 ``cryptography``, keyed BLAKE3 itself is the MAC (~4 GB/s per core). Which one is in the KV
 compatibility description (``ALGORITHM``), so two workers that would disagree never pair.
-Both ends hash while the transfer runs, not after it (``Tracker``): each hashes what the
-socket has just sent or received, while the kernel and the peer move the next bytes.
 """
 
 from __future__ import annotations
@@ -41,16 +50,18 @@ _gcm: Any
 try:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-    def _gcm(key: bytes) -> Any:
-        return Cipher(algorithms.AES(key), modes.GCM(_NONCE)).encryptor()
+    def _gcm(key: bytes, nonce: bytes) -> Any:
+        return Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
 
 except ImportError:  # pragma: no cover - installed with LMCache's dependencies
     _gcm = None
 
-ALGORITHM = "aes256-gmac" if _gcm is not None else "blake3" if _blake3 is not None else "blake2b"
+ALGORITHM = (
+    "aes256-gmac-blocks" if _gcm is not None else "blake3" if _blake3 is not None else "blake2b"
+)
 MAC_BYTES = 16 if _gcm is not None else 32
 _LABEL = b"pdserve-kv-pull\0"
-# GCM's nonce: fixed, as each key is used for one pull only (see the module's docstring).
+# The pull MAC's GCM nonce: fixed, as each key is used for one pull only (module docstring).
 _NONCE = bytes(12)
 
 
@@ -73,23 +84,20 @@ def _keyed(key: bytes) -> Any:
     return hashlib.blake2b(key=key, digest_size=32)
 
 
-class PullMac:
-    """The MAC of one pull's answer: pull counter, header, then block bytes in wire order."""
+class _Mac:
+    """GMAC under ``key`` and ``nonce`` (keyed BLAKE3 over the nonce first, without
+    ``cryptography``); ``update`` takes the bytes, in order."""
 
-    update: Callable[[bytes | memoryview], None]  # the block bytes, in order
+    update: Callable[[bytes | memoryview], None]
 
-    def __init__(self, key: bytes, counter: int, header: bytes) -> None:
-        prefix = _LABEL + counter.to_bytes(8, "big") + len(header).to_bytes(8, "big")
-        self.h = _keyed(key)
+    def __init__(self, key: bytes, nonce: bytes) -> None:
         if _gcm is not None:
-            # A one-time key for this pull: its GCM nonce can then be fixed.
-            self.h.update(prefix)
-            self.h = _gcm(self.h.digest())
+            self.h = _gcm(key, nonce)
             self.update = self.h.authenticate_additional_data
         else:
+            self.h = _keyed(key)
             self.update = self.h.update
-        self.update(prefix)
-        self.update(header)
+            self.update(nonce)
 
     def digest(self) -> bytes:
         if _gcm is not None:
@@ -98,29 +106,86 @@ class PullMac:
         return bytes(self.h.digest())
 
 
-class Tracker:
-    """Feeds a MAC the views' bytes, in order, as far as the socket has sent or filled them:
-    hashing runs between socket calls, while the kernel moves the next bytes (the peer keeps
-    sending into, or draining, the socket buffers meanwhile); no thread, no extra copy."""
+class PullMac(_Mac):
+    """The MAC of one pull's answer, under a one-time key: pull counter, header, then the
+    pull's block tags (``update``)."""
 
-    def __init__(self, mac: PullMac, views: Sequence[memoryview]) -> None:
-        self.mac = mac
-        self.views = views
-        self.index = 0  # the view being hashed
+    def __init__(self, key: bytes, counter: int, header: bytes) -> None:
+        prefix = _LABEL + counter.to_bytes(8, "big") + len(header).to_bytes(8, "big")
+        one_time = _keyed(key)
+        one_time.update(prefix)
+        super().__init__(one_time.digest(), _NONCE)
+        self.update(prefix)
+        self.update(header)
+
+
+def job_key(secret: bytes | None, name: str) -> bytes:
+    """The key of the job the producer named ``name``: from the deployment secret (without
+    one, tags still catch corruption, not forgery)."""
+    return hmac.digest(secret or b"pdserve-kv-open", b"pdserve-kv-job\0" + name.encode(), "sha256")
+
+
+class BlockTags:
+    """The tags of ``count`` consecutive blocks of a job, from its block ``first`` on; the
+    bytes come in wire order: layer by layer, each layer's part of every block in turn
+    (``kv_transfer.layout``), ``layer_bytes`` being a block's bytes in each layer."""
+
+    def __init__(self, key: bytes, first: int, count: int, layer_bytes: Sequence[int]) -> None:
+        self.macs = [_Mac(key, (first + j).to_bytes(12, "big")) for j in range(count)]
+        self.segments = [(mac.update, size) for size in layer_bytes if size for mac in self.macs]
+
+    def tracker(self, views: Sequence[memoryview]) -> Tracker:
+        return Tracker(views, self.segments)
+
+    def tags(self) -> bytes:
+        """The tags, in block order (call once all bytes are in)."""
+        return b"".join(mac.digest() for mac in self.macs)
+
+
+def tag_blocks(
+    key: bytes, views: Sequence[memoryview], count: int, layer_bytes: Sequence[int]
+) -> bytes:
+    """All tags of a job of ``count`` blocks whose bytes are ``views`` (wire order)."""
+    tags = BlockTags(key, 0, count, layer_bytes)
+    tags.tracker(views).advance(sum(len(v) for v in views))
+    return tags.tags()
+
+
+class Tracker:
+    """Feeds the bytes of the views, in order and as far as the socket has sent or filled
+    them, to the MAC of each segment in turn (``segments``: its update and its length):
+    hashing runs between socket calls, while the kernel moves the next bytes (the peer keeps
+    sending into the socket buffers meanwhile); no thread, no extra copy."""
+
+    def __init__(
+        self,
+        views: Sequence[memoryview],
+        segments: Sequence[tuple[Callable[[bytes | memoryview], None], int]],
+    ) -> None:
+        self.views = [v for v in views if len(v)]
+        self.segments = segments
+        self.view = 0  # the view being hashed
         self.offset = 0  # bytes of it hashed
+        self.segment = 0  # the segment being hashed
+        self.left = segments[0][1] if segments else 0  # bytes of it not hashed yet
         self.done = 0  # bytes hashed in all
 
     def advance(self, total: int) -> None:
         """Hash up to byte ``total`` of the views' concatenation."""
-        while self.done < total and self.index < len(self.views):
-            view = self.views[self.index]
-            end = min(len(view), self.offset + total - self.done)
-            self.mac.update(view[self.offset : end])
-            self.done += end - self.offset
-            if end == len(view):
-                self.index, self.offset = self.index + 1, 0
-            else:
-                self.offset = end
+        views, segments = self.views, self.segments
+        while self.done < total and self.view < len(views) and self.segment < len(segments):
+            view = views[self.view]
+            n = min(len(view) - self.offset, total - self.done, self.left)
+            segments[self.segment][0](view[self.offset : self.offset + n])
+            self.done += n
+            self.offset += n
+            self.left -= n
+            if self.offset == len(view):
+                self.view, self.offset = self.view + 1, 0
+            if not self.left:
+                self.segment += 1
+                if self.segment < len(segments):
+                    self.left = segments[self.segment][1]
 
 
 def check(expected: bytes, received: bytes) -> None:

@@ -41,18 +41,21 @@ once instead of waiting ``register_wait_s``.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
+import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_transfer import compat
 from kv_transfer.agent_context import AgentConfig, Reporter
 from kv_transfer.auth import AuthenticationFailed, HandshakeGate, Ticket, server_handshake
 from kv_transfer.errors import JobEnded, KVTransferError, PromptMismatch, UnknownRequest
-from kv_transfer.integrity import PullMac, Session, Tracker
+from kv_transfer.integrity import MAC_BYTES, PullMac, Session, job_key, tag_blocks
 from kv_transfer.registry import Owner, SeqWindow
 from kv_transfer.wire import (
     CONTROL_FRAME,
@@ -75,9 +78,6 @@ EARLY_RELEASE_TTL_S = 120.0
 MAX_EARLY_RELEASES = 4096
 # Bytes of one block id in a JSON list, at most ("4294967295,").
 _BLOCK_ID_BYTES = 11
-# Bytes sent per write while the MAC follows the send: small enough that hashing the last
-# write adds little after the blocks are out, large enough to keep system calls few.
-HASH_STEP = 512 * 1024
 # What bad input raises while a request is read and served: a refusal, not a failure.
 _MALFORMED = (FrameTooLarge, ValueError, KeyError, TypeError, ArithmeticError)
 
@@ -90,6 +90,10 @@ class Job:
     in_flight: bool = False
     key: str = ""
     seq: int | None = None  # the engine's number for the job (None: unnumbered, tests only)
+    name: str = ""  # the producer's name for it, unique for all time: its block tags' key
+    tags: bytes | None = None  # its blocks' tags (kv_transfer.integrity), once computed
+    tagging: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False
 
 
 class ForeignAnnouncement(ValueError):
@@ -124,11 +128,16 @@ class Producer:
             config.max_unauthenticated_per_address,
         )
         self.refusals = 0
+        # Jobs are named "<this process's random name>:<count>" (their tags' keys).
+        self.name, self.named = secrets.token_hex(8), itertools.count(1)
+        self.to_tag: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.layer_bytes = [layer.block_bytes for layer in config.layout.layers]
         self.listener = socket.create_server((config.bind_host, config.port), backlog=128)
         self.port = self.listener.getsockname()[1]
         # Both keep no state a crash could corrupt: restarted (pdserve.runtime.supervise).
         start_thread(self._accept_loop, "kv-accept")
         start_thread(self._lease_loop, "kv-lease")
+        start_thread(self._tag_loop, "kv-tag")
 
     # ---- worker side -------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> None:
@@ -163,20 +172,41 @@ class Producer:
                 self._finish(req, "released")
                 return
             deadline = time.monotonic() + self.config.lease_s
-            self.jobs[req] = Job(blocks, deadline, digest, key=key, seq=seq)
+            name = f"{self.name}:{next(self.named)}"
+            self.jobs[req] = job = Job(blocks, deadline, digest, key=key, seq=seq, name=name)
+            self.to_tag.put(job)
             if key:
                 self.keys[key] = req
             self.cond.notify_all()
 
     def close(self) -> None:
         self.closed = True
+        self.to_tag.put(None)
         self.listener.close()
+
+    def _tag_loop(self) -> None:
+        """Tags each job's blocks as it registers, before its pull comes (nothing waits)."""
+        while (job := self.to_tag.get()) is not None:
+            if not job.ended:
+                self._tags(job)
+
+    def _tags(self, job: Job) -> bytes:
+        """The job's block tags: computed once, by the tagging thread or by a pull that
+        comes first (the other waits for them)."""
+        with job.tagging:
+            if job.tags is None:
+                views = [v.cast("B") for v in self.config.layout.views(self.regions, job.blocks)]
+                key = job_key(self.secret, job.name)
+                job.tags = tag_blocks(key, views, len(job.blocks), self.layer_bytes)
+            return job.tags
 
     def _finish(self, req: str, reason: str, **stats: Any) -> None:
         """Report the job's end; caller holds ``cond`` (reporting never blocks)."""
         job = self.jobs.pop(req, None)
-        if job is not None and job.key:
-            self.keys.pop(job.key, None)
+        if job is not None:
+            job.ended = True
+            if job.key:
+                self.keys.pop(job.key, None)
         self.reporter.send({"op": "finished", "req": req, "reason": reason, **stats})
 
     def _lease_loop(self) -> None:
@@ -400,7 +430,7 @@ class Producer:
         try:
             compat.check(self.config.compat, theirs, who="decode worker")
             self.config.layout.check_blocks(blocks)
-            self._claim(req, blocks, digest, seq, epoch)
+            job = self._claim(req, blocks, digest, seq, epoch)
         except (KVTransferError, ValueError) as exc:
             send_frame(conn, {"ok": False, "error": str(exc)})
             if not isinstance(exc, UnknownRequest | PromptMismatch):
@@ -409,21 +439,20 @@ class Producer:
         started, sent, reason = time.perf_counter(), 0, "error"
         try:
             nbytes = len(blocks) * self.config.layout.bytes_per_block
-            header = encode_frame({"ok": True, "nbytes": nbytes, "req": req})
+            first = job.blocks.index(blocks[0]) if blocks else 0
+            header = encode_frame(
+                {"ok": True, "nbytes": nbytes, "req": req, "job": job.name, "first": first}
+            )
             views = [v.cast("B") for v in self.config.layout.views(self.regions, blocks) if len(v)]
-            # The blocks' MAC (kv_transfer.integrity) is computed as they are sent.
+            # One scatter/gather write for header and blocks: the puller wakes up once. Then
+            # the blocks' tags (kv_transfer.integrity: computed when the job registered) and
+            # the pull's MAC over header and tags.
+            sent = send_views(conn, [memoryview(header), *views]) - len(header)
+            tags = self._tags(job)[first * MAC_BYTES : (first + len(blocks)) * MAC_BYTES]
             mac = PullMac(session.key, session.pulls, header)
             session.pulls += 1
-            tracker = Tracker(mac, views)
-            # One scatter/gather write for header and blocks: the puller wakes up once.
-            sent = send_views(
-                conn,
-                [memoryview(header), *views],
-                lambda n: tracker.advance(n - len(header)),
-                max_bytes=HASH_STEP,
-            ) - len(header)
-            tracker.advance(sent)
-            conn.sendall(mac.digest())
+            mac.update(tags)
+            conn.sendall(tags + mac.digest())
             ack = recv_frame(conn, CONTROL_FRAME, time.monotonic() + self.config.io_timeout_s)
             reason = "sent" if ack.get("ok") else "error"
         finally:

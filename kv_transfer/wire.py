@@ -165,23 +165,14 @@ def peer_closed(sock: socket.socket) -> bool:
 MAX_IOV = 512
 
 
-def send_views(
-    sock: socket.socket,
-    views: Iterable[memoryview],
-    progress: Callable[[int], None] | None = None,
-    max_bytes: int = 0,
-) -> int:
-    """Send the views in order with scatter/gather writes; returns the bytes sent.
-    ``progress(n)``, when given, is told after each write that ``n`` bytes are sent; with
-    ``max_bytes`` a write takes at most that many (so that progress comes in steps)."""
-    pending = [v.cast("B") for v in views if len(v)]
+def send_views(sock: socket.socket, views: Iterable[memoryview]) -> int:
+    """Send the views in order with scatter/gather writes; returns the bytes sent."""
+    pending = Pending(views)
     total = 0
     while pending:
-        sent = sock.sendmsg(_first_bytes(pending[:MAX_IOV], max_bytes))
+        sent = sock.sendmsg(pending.next())
         total += sent
-        pending = _advance(pending, sent)
-        if progress is not None:
-            progress(total)
+        pending.drop(sent)
     return total
 
 
@@ -192,43 +183,43 @@ def recv_views(
 ) -> int:
     """Fill the views in order with scatter/gather reads; returns the bytes received.
     ``progress(n)``, when given, is told after each read that ``n`` bytes are in."""
-    pending = [v.cast("B") for v in views if len(v)]
+    pending = Pending(views)
     total = 0
     while pending:
-        got = sock.recvmsg_into(pending[:MAX_IOV])[0]
+        got = sock.recvmsg_into(pending.next())[0]
         if got == 0:
             raise ConnectionClosed(f"peer closed the connection after {total} bytes")
         total += got
-        pending = _advance(pending, got)
+        pending.drop(got)
         if progress is not None:
             progress(total)
     return total
 
 
-def _first_bytes(views: list[memoryview], limit: int) -> list[memoryview]:
-    """The leading views up to ``limit`` bytes in all (the last one cut); all when 0."""
-    if not limit:
-        return views
-    out, left = [], limit
-    for view in views:
-        if len(view) >= left:
-            out.append(view[:left])
-            return out
-        out.append(view)
-        left -= len(view)
-    return out
+class Pending:
+    """Views still to move, taken from the front: a socket call's buffers are the next
+    ``MAX_IOV`` of them, and moved bytes are dropped without copying the rest of the list."""
 
+    def __init__(self, views: Iterable[memoryview]) -> None:
+        self.views = [v.cast("B") for v in views if len(v)]
+        self.index = 0
 
-def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """Drop the first ``nbytes`` from a list of views."""
-    index = 0
-    while nbytes and nbytes >= len(views[index]):
-        nbytes -= len(views[index])
-        index += 1
-    rest = views[index:]
-    if nbytes:
-        rest[0] = rest[0][nbytes:]
-    return rest
+    def __bool__(self) -> bool:
+        return self.index < len(self.views)
+
+    def next(self) -> list[memoryview]:
+        return self.views[self.index : self.index + MAX_IOV]
+
+    def drop(self, nbytes: int) -> None:
+        """Drop the first ``nbytes`` (at most what is left)."""
+        views = self.views
+        while nbytes and self.index < len(views):
+            first = views[self.index]
+            if nbytes < len(first):
+                views[self.index] = first[nbytes:]
+                return
+            nbytes -= len(first)
+            self.index += 1
 
 
 def tune(sock: socket.socket) -> None:

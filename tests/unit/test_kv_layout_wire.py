@@ -11,7 +11,7 @@ import pytest
 from kv_transfer import compat
 from kv_transfer.errors import IncompatibleWorkers
 from kv_transfer.layout import LayerSpan, Layout, _runs
-from kv_transfer.wire import _advance, recv_frame, recv_views, send_frame, send_views
+from kv_transfer.wire import Pending, recv_frame, recv_views, send_frame, send_views
 
 
 def test_runs_merge_consecutive_ids_in_order() -> None:
@@ -48,11 +48,12 @@ def test_layout_round_trips_through_json() -> None:
     assert Layout.from_json(layout.to_json()) == layout
 
 
-def test_advance_drops_a_prefix_across_views() -> None:
-    views = [memoryview(b"abc"), memoryview(b"de"), memoryview(b"fgh")]
-    rest = _advance(views, 4)
-    assert [bytes(v) for v in rest] == [b"e", b"fgh"]
-    assert _advance(views, 8) == []
+def test_pending_drops_a_prefix_across_views() -> None:
+    pending = Pending([memoryview(b"abc"), memoryview(b""), memoryview(b"de"), memoryview(b"fgh")])
+    pending.drop(4)
+    assert [bytes(v) for v in pending.next()] == [b"e", b"fgh"]
+    pending.drop(4)
+    assert not pending and pending.next() == []
 
 
 def test_scatter_gather_send_and_receive_move_every_byte() -> None:
