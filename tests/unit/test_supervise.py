@@ -202,11 +202,12 @@ async def test_the_pool_refresh_loop_goes_on_after_a_failure() -> None:
     before = supervise.restarts["gateway-pool-refresh"]
     refreshed = asyncio.Event()
 
-    async def refresh() -> None:
+    async def paced_refresh(interval_s: float) -> None:
         refreshed.set()
+        await asyncio.sleep(interval_s)
 
     await pool.start()
-    pool.refresh = fail_once(refresh)  # type: ignore[method-assign]
+    pool.paced_refresh = fail_once(paced_refresh)  # type: ignore[method-assign]
     try:
         await asyncio.wait_for(refreshed.wait(), WAIT_S)
         assert supervise.restarts["gateway-pool-refresh"] == before + 1
