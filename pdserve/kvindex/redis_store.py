@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from pdserve.kvindex.interfaces import BlockOps, IndexUnavailable, WorkerRecord
@@ -138,24 +139,25 @@ return 1
 """
 )
 
-# KEYS: the starts of the candidates' groups (ARGV[3] of them), then the candidate holders'
-# sets. ARGV[1]: the hashes in prefix order, 8 bytes each, in one string (one argument instead
-# of one per hash: packing the arguments was most of the client's time); ARGV[2]: the holders'
-# ids, one per line, in the order of their sets. Only the holders whose starts hold the first
-# hash are read (a ZRANGEBYLEX per group finds them; asking every holder's set took 0.8 ms of
-# Redis at 256 holders), each for its leading run, stopping at its first miss. The runs as one
-# string of numbers ("3,0,12"): reading one reply instead of an array of them.
+# KEYS: the starts of the candidates' groups (ARGV[2] of them), then the candidate holders'
+# sets. ARGV[1]: the holders' ids, one per line, in the order of their sets; ARGV[3]: the
+# hashes in prefix order, 8 bytes each, in one string (one argument instead of one per hash:
+# packing the arguments was most of the client's time; last, so that a single server's
+# command is its candidates' packed part plus the hashes). Only the holders whose starts hold
+# the first hash are read (a ZRANGEBYLEX per group finds them; asking every holder's set took
+# 0.8 ms of Redis at 256 holders), each for its leading run, stopping at its first miss. The
+# runs of the holders that have one, as one string ("3:12,7:1": the 3rd holder's run is 12):
+# one reply instead of an array, naming only the few holders found.
 _LONGEST = r"""
 local hashes = {}
-for i = 1, #ARGV[1] / 8 do hashes[i] = string.sub(ARGV[1], 8 * i - 7, 8 * i) end
-local groups = tonumber(ARGV[3])
+for i = 1, #ARGV[3] / 8 do hashes[i] = string.sub(ARGV[3], 8 * i - 7, 8 * i) end
+local groups = tonumber(ARGV[2])
 local slot, k = {}, groups
-for name in string.gmatch(ARGV[2], '[^\n]+') do
+for name in string.gmatch(ARGV[1], '[^\n]+') do
   k = k + 1
   slot[name] = k
 end
-local counts = {}
-for j = groups + 1, #KEYS do counts[j - groups] = 0 end
+local found = {}
 local h0 = hashes[1]
 for g = 1, groups do
   for _, m in ipairs(redis.call('ZRANGEBYLEX', KEYS[g], '[' .. h0, '(' .. h0 .. '\255')) do
@@ -166,11 +168,11 @@ for g = 1, groups do
         if redis.call('SISMEMBER', KEYS[j], hashes[i]) == 0 then break end
         n = n + 1
       end
-      counts[j - groups] = n
+      if n > 0 then found[#found + 1] = (j - groups) .. ':' .. n end
     end
   end
 end
-return table.concat(counts, ',')
+return table.concat(found, ',')
 """
 
 # KEYS: as _APPLY's. ARGV: the dead epoch, holder. Forgets the holder's entries only if they
@@ -228,6 +230,29 @@ def _member(h: int) -> bytes:
     return h.to_bytes(8, "big")
 
 
+def _bulk(arg: bytes) -> bytes:
+    """One argument of a command as the Redis protocol (RESP) sends it."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def _runs(reply: bytes, holders: Sequence[str], into: dict[str, int]) -> None:
+    """The lookup script's reply ("3:12,7:1": the holders' 1-based places, their runs)."""
+    for pair in reply.split(b","):
+        if pair:
+            place, _, run = pair.partition(b":")
+            into[holders[int(place) - 1]] = int(run)
+
+
+class LookupGroup(NamedTuple):
+    """The holders of one lookup script call and what names them on the wire, built once
+    per candidate list (``RedisStore._lookup_groups``)."""
+
+    holders: list[str]
+    keys: list[bytes]  # the group's starts, then the holders' sets
+    args: list[bytes]  # the holders' ids, one per line; the number of starts
+    packed: bytes  # single server: the whole EVALSHA command but its last argument (the hashes)
+
+
 def _encode(ops: Sequence[BlockOps]) -> list[str | int | bytes]:
     args: list[str | int | bytes] = []
     for op in ops:
@@ -269,9 +294,7 @@ class RedisStore:
         self._announce = self.client.register_script(_ANNOUNCE)
         self._withdraw = self.client.register_script(_WITHDRAW)
         self._registry_epoch = self.client.register_script(_REGISTRY_EPOCH)
-        self._groups: dict[
-            tuple[str, tuple[str, ...]], list[tuple[list[str], list[bytes], bytes, bytes]]
-        ] = {}
+        self._groups: dict[tuple[str, tuple[str, ...]], list[LookupGroup]] = {}
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -333,24 +356,27 @@ class RedisStore:
     async def longest_prefixes(
         self, model: str, hashes: Sequence[int], workers: Sequence[str]
     ) -> dict[str, int]:
+        counts = dict.fromkeys(workers, 0)
         if not workers or not hashes:
-            return dict.fromkeys(workers, 0)
+            return counts
         groups = self._lookup_groups(model, tuple(workers))
         packed = b"".join(map(_member, hashes))
-        calls = [(keys, [packed, names, starts]) for _, keys, names, starts in groups]
-        results = await self._call(self._pipelined(self._longest, calls))
-        counts = {}
-        for (ws, _, _, _), result in zip(groups, results, strict=True):
-            counts.update({w: int(c) for w, c in zip(ws, result.split(b","), strict=True)})
-        return {w: counts[w] for w in workers}
+        if self.cluster:
+            calls = [(g.keys, [*g.args, packed]) for g in groups]
+            replies = await self._call(self._pipelined(self._longest, calls))
+        else:  # one group: its command packed once, the hashes appended
+            (group,) = groups
+            replies = [await self._call(self._evalsha_packed(group.packed + _bulk(packed)))]
+        for group, reply in zip(groups, replies, strict=True):
+            _runs(reply, group.holders, counts)
+        return counts
 
-    def _lookup_groups(
-        self, model: str, workers: tuple[str, ...]
-    ) -> list[tuple[list[str], list[bytes], bytes, bytes]]:
+    def _lookup_groups(self, model: str, workers: tuple[str, ...]) -> list[LookupGroup]:
         """The holders of a lookup by script call, with the script's keys (the group's starts,
-        the holders' sets) and the holders' ids encoded: the same workers are asked for
-        request after request, and naming 256 sets anew each time was half of the client's
-        time (pdserve bench fleet)."""
+        the holders' sets) and the holders' ids encoded, and on a single server the command
+        packed but for the hashes: the same workers are asked for request after request, and
+        naming 256 sets anew each time was half of the client's time, packing the command
+        another third of it (pdserve bench fleet)."""
         cached = self._groups.get((model, workers))
         if cached is not None:
             return cached
@@ -362,11 +388,39 @@ class RedisStore:
             starts = [self.keys.group_starts(model, g) for g in sorted(set(map(group_of, ws)))]
             sets = [self.keys.holder_blocks(model, w) for w in ws]
             keys = [k.encode() for k in [*starts, *sets]]
-            groups.append((ws, keys, "\n".join(ws).encode(), b"%d" % len(starts)))
+            args = ["\n".join(ws).encode(), b"%d" % len(starts)]
+            head = [b"EVALSHA", self._longest.sha.encode(), b"%d" % len(keys), *keys, *args]
+            packed = b"*%d\r\n" % (len(head) + 1) + b"".join(map(_bulk, head))
+            groups.append(LookupGroup(ws, keys, args, packed))
         if len(self._groups) >= LOOKUP_GROUPS_CACHED:
             self._groups.clear()  # the pool changed many times: start over
         self._groups[(model, workers)] = groups
         return groups
+
+    async def _evalsha_packed(self, command: bytes) -> Any:
+        """A packed EVALSHA of the lookup script on one pooled connection of a single server,
+        as the client's own call but without packing its arguments again: once more on a
+        dropped connection (stale after a Redis restart), and with the script loaded again
+        if the server lost it (restarted)."""
+        pool = self.client.connection_pool
+        for attempt in range(3):
+            conn = await pool.get_connection()
+            try:
+                await conn.send_packed_command(command, check_health=False)
+                return await conn.read_response()
+            except RedisConnectionError:
+                if attempt:
+                    raise
+            except NoScriptError:
+                if attempt > 1:
+                    raise
+                await conn.send_packed_command(
+                    b"*3\r\n" + b"".join(map(_bulk, [b"SCRIPT", b"LOAD", _LONGEST.encode()]))
+                )
+                await conn.read_response()
+            finally:
+                await pool.release(conn)
+        raise AssertionError("unreachable")
 
     async def _pipelined(
         self, script: Any, calls: Sequence[tuple[Sequence[str | bytes], list[bytes]]]

@@ -201,3 +201,13 @@ async def test_the_first_call_after_a_redis_restart_succeeds(redis_server: Redis
             assert await store.longest_prefixes(M, [n], [f"p{n}"]) == {f"p{n}": 0}
     finally:
         await store.close()
+
+
+async def test_a_lookup_loads_its_script_again_when_the_server_lost_it(store: RedisStore) -> None:
+    """A lookup's packed command names its script by hash; a server without it (flushed,
+    restarted, failed over) gets it again and the lookup still answers."""
+    await store.apply(M, "p0", [BlockOps(stored=[1, 2], starts_prompt=True)])
+    assert await store.longest_prefixes(M, [1, 2, 3], ["p0", "p1"]) == {"p0": 2, "p1": 0}
+    await store.client.script_flush()
+    assert await store.longest_prefixes(M, [1, 2, 3], ["p1", "p0"]) == {"p1": 0, "p0": 2}
+    assert await store.longest_prefixes(M, [1, 2, 3], ["p0", "p0"]) == {"p0": 2}
