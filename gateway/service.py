@@ -313,7 +313,9 @@ class GenerationService:
             ("decode", self.pool.healthy_decode()),
             ("prefill", self.pool.healthy_prefill()),
         ):
-            if workers and min(w.load() for w in workers) >= queue:
+            # all(), not min(): it stops at the first worker below the limit (usually the
+            # first), where min() read the load of every worker (256) for every request
+            if workers and all(w.load() >= queue for w in workers):
                 self._reject(
                     f"{role}_queue",
                     f"every {role} worker has {queue} or more requests in flight or queued; "
