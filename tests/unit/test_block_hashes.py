@@ -54,3 +54,22 @@ def test_a_cache_salt_hashes_as_vllm_salts_a_request() -> None:
     plain = block_hashes(ids, 128, seed=42)
     assert all(s != p for s, p in zip(salted, plain, strict=True))  # every block, not the first
     assert block_hashes(ids, 128, seed=42, cache_salt="tenant-b") != salted
+
+
+def test_remembered_blocks_hash_as_computed_ones() -> None:
+    """A later turn's blocks come from the memo of the earlier turn's, with the same hashes
+    as computed afresh; a salt or another seed is never served another's."""
+    from pdserve.kvindex import hashing
+
+    ids = [(i * 7919) % 49152 for i in range(1000)]
+    hashing._block_digest.cache_clear()
+    first = block_hashes(ids[:600], 16, seed=42)
+    hits = hashing._block_digest.cache_info().hits
+    later = block_hashes(ids, 16, seed=42)  # the first 37 blocks again, then new ones
+    assert hashing._block_digest.cache_info().hits - hits == len(first)
+    hashing._block_digest.cache_clear()
+    assert later == block_hashes(ids, 16, seed=42) and later[: len(first)] == first
+    assert later == vllm_hashes(ids, 16, "42")
+    salted = block_hashes(ids, 16, seed=42, cache_salt="tenant-a")
+    assert all(s != p for s, p in zip(salted, later, strict=True))
+    assert block_hashes(ids, 16, seed=43)[0] != later[0]
