@@ -22,6 +22,7 @@ prefix share is 0: routing by load only. ``load`` counts the requests of every g
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -139,14 +140,15 @@ class PrefixPicker:
         scale = 1.0 + max(loads)
         role = workers[0].role_name
         turn, count = self._turns[role], len(workers)
+        # the few workers that hold something; every other one's share is 0
+        shares = {w: c.weighted(s.tier_hit_weight) / max(n, 1) for w, c in cached.items()}
+        prefix_weight, load_weight, kv_weight = s.prefix_weight, s.load_weight, s.kv_usage_weight
         best, best_score, tied = workers[0], -math.inf, 0
-        for k in range(count):
-            i = (turn + k) % count
+        first = turn % count
+        for i in itertools.chain(range(first, count), range(first)):
             w = workers[i]
-            held = cached.get(w)
-            share = held.weighted(s.tier_hit_weight) / max(n, 1) if held is not None else 0.0
-            score = (s.prefix_weight * share - s.load_weight * loads[i] / scale
-                     - s.kv_usage_weight * w.kv_usage())  # fmt: skip
+            score = (prefix_weight * shares.get(w, 0.0) - load_weight * loads[i] / scale
+                     - kv_weight * w.kv_usage())  # fmt: skip
             if score > best_score:
                 best, best_score, tied = w, score, 1
             elif score == best_score:
@@ -188,7 +190,13 @@ class PrefixPicker:
         self.metrics.index_lookup_seconds.observe(time.monotonic() - started)
         n = len(request.token_ids)
         cached: dict[Worker[Any], Cached] = {}  # only workers that hold something
-        for worker, worker_id in zip(workers, ids, strict=True):
+        pairs = zip(workers, ids, strict=True)
+        if not tiers:  # the usual case: a worker's own cache only
+            for worker, worker_id in pairs:
+                if own := blocks.get(worker_id, 0):
+                    cached[worker] = Cached(cacheable_tokens(own, block_size, n))
+            return Lookup(cached)
+        for worker, worker_id in pairs:
             tier = tiers.get(worker_id)
             own = blocks.get(worker_id, 0)
             from_tier = blocks.get(tier.holder, 0) if tier else 0
@@ -197,7 +205,5 @@ class PrefixPicker:
                     cacheable_tokens(own, block_size, n),
                     tier_tokens(from_tier, block_size, tier.chunk, n) if tier else 0,
                 )
-        if not holders:
-            return Lookup(cached)
         held = {h: blocks.get(h, 0) for h in holders}
         return Lookup(cached, TierFeedback(self.tiers, request.model, hashes, block_size, n, held))
