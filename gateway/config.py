@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode
 
 from gateway.chat_parsing import ParserSettings
+from gateway.slo import Slo
 from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config
 
 WorkerList = Annotated[list[str], NoDecode]
@@ -197,6 +198,18 @@ class GatewaySettings(BaseSettings):
         "Redis each); beyond it the tier's entries are dropped and relearned, since the index "
         "does not see the tier's own evictions",
     )
+    slo_ttft_ms: float = Field(
+        default=0,
+        ge=0,
+        description="objective for the time to first token, in ms (0: none); a request's "
+        "x-pdserve-slo-ttft-ms header sets its own; met or missed: pdserve_gateway_slo_requests",
+    )
+    slo_tpot_ms: float = Field(
+        default=0,
+        ge=0,
+        description="objective for the time per output token after the first, in ms (0: "
+        "none); a request's x-pdserve-slo-tpot-ms header sets its own",
+    )
     routing_headers: bool = Field(
         default=True,
         description="say where a request went (x-pdserve-*-worker headers, gRPC trailers)",
@@ -246,6 +259,11 @@ class GatewaySettings(BaseSettings):
             if not host or not port.isdigit():
                 raise ValueError(f"worker address {address!r} is not host:port")
         return value
+
+    @property
+    def slo(self) -> Slo:
+        """The gateway's objectives (a request's headers may set its own)."""
+        return Slo.from_ms(self.slo_ttft_ms, self.slo_tpot_ms)
 
     def picker_name(self) -> str:
         if self.picker != "auto":

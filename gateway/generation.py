@@ -42,6 +42,7 @@ from gateway.pairing import single_use_handoffs
 from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool, unless_down
 from gateway.recovery import Action, Phase, Transition, alternative, backoff_s, continuation
 from gateway.routing.interfaces import Route
+from gateway.slo import Slo, time_per_output_token
 from pdserve.rpc.client import RpcCallError
 from pdserve.telemetry import tracing
 from protos.v1 import common_pb2, worker_pb2
@@ -75,6 +76,7 @@ class Generation:
         deadline_s: float | None = None,
         edge_id: str = "",
         sibling: bool = False,
+        slo: Slo | None = None,
     ) -> None:
         """``sibling``: a further choice of an ``n > 1`` request, computed by its first
         choice's decode worker from that engine's prefix cache (path "sibling")."""
@@ -91,6 +93,7 @@ class Generation:
             self.path = PATH_SIBLING
         self.phase = Phase.ADMITTED
         self._received_at = received_at
+        self._slo = slo or Slo()
         self._settings = settings
         self._pool = pool
         self._metrics = metrics
@@ -566,6 +569,7 @@ class Generation:
         self._pool.mark_ok(self.decode)
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
+        self._count_slo()
         request_log.generation_ended(
             self._logged(), "ok", cached_tokens=usage.cached_tokens, phases=phases
         )
@@ -586,6 +590,15 @@ class Generation:
             decode_worker=self.decode.address,
             transfer=transfer,
         )
+
+    def _count_slo(self) -> None:
+        """Each objective of a finished generation, met or missed (``gateway.slo``)."""
+        if self.first_token_at is None or self._last_token_at is None:
+            return  # no token generated: no time to first token
+        ttft = self.first_token_at - self._received_at
+        tpot = time_per_output_token(self.first_token_at, self._last_token_at, len(self._generated))
+        for objective, met in self._slo.outcomes(ttft, tpot).items():
+            self._metrics.slo.labels(objective, "met" if met else "missed").inc()
 
     def abandon(self, outcome: str) -> None:
         """End early: count the outcome once and abort the touched workers (in background)."""

@@ -225,9 +225,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if prompt.messages is not None:
             body = _chat_body(request, prompt)
             parsed = await parse_chat(self.service.chat_parsing, self.service.offload, body, params)
+        metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
         core = GenerateRequest(
-            request_id, prompt, params, request.model, ENDPOINT, deadline_s=context.time_remaining()
-        )
+            request_id, prompt, params, request.model, ENDPOINT,
+            deadline_s=context.time_remaining(),
+            slo=self.service.settings.slo.with_headers(metadata),
+        )  # fmt: skip
         generation = await self.service.start(core)
         parser = None if parsed is None else parsed.choice(generation.token_ids)
         async for event in generation.events():

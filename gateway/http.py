@@ -144,8 +144,9 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = body.sampling_params()
         parent = GenerateRequest(
-            _request_id(request), body.prompts()[0], params, body.model or "", "completions"
-        )
+            _request_id(request), body.prompts()[0], params, body.model or "", "completions",
+            slo=service.settings.slo.with_headers(request.headers),
+        )  # fmt: skip
         specs = choice_specs(parent, body.prompts(), body.n)
         return await _serve(service, request, specs, body, chat=False)
 
@@ -308,8 +309,9 @@ async def _serve_chat(
     params = body.sampling_params()
     parsed = await parse_chat(service.chat_parsing, service.offload, raw, params)
     parent = GenerateRequest(
-        _request_id(request), body.to_prompt(), params, body.model or "", endpoint
-    )
+        _request_id(request), body.to_prompt(), params, body.model or "", endpoint,
+        slo=service.settings.slo.with_headers(request.headers),
+    )  # fmt: skip
     specs = choice_specs(parent, [parent.prompt], body.n)
     return await _serve(
         service, request, specs, body, chat=True, parsed=parsed, anthropic=anthropic

@@ -99,6 +99,14 @@ class GatewayMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.slo = Counter(
+            "pdserve_gateway_slo_requests",
+            "Finished generations with a service-level objective (settings slo_ttft_ms, "
+            "slo_tpot_ms, or the request's x-pdserve-slo-* headers), by objective (ttft, tpot; "
+            "all: every objective the request had, i.e. goodput) and outcome (met, missed).",
+            ["objective", "outcome"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "pdserve_gateway_in_flight_requests",
             "Generations admitted and not yet ended (each choice of an n > 1 request counts).",

@@ -42,6 +42,7 @@ from gateway.params import check_sampling, resolve_max_tokens, truncate_prompt
 from gateway.pool import WorkerPool
 from gateway.routing.interfaces import Picker, Route, RouteRequest
 from gateway.sampling_defaults import load_defaults, with_defaults
+from gateway.slo import Slo
 from pdserve.rpc.client import RpcCallError
 from pdserve.telemetry import tracing
 from protos.v1 import common_pb2, worker_pb2
@@ -98,6 +99,7 @@ class GenerateRequest:
     received_at: float = field(default_factory=time.monotonic)
     # Seconds the client still waits (gRPC deadline); None: only the gateway's own timeouts.
     deadline_s: float | None = None
+    slo: Slo = field(default_factory=Slo)  # counted met or missed when it finishes
 
 
 async def all_or_none(
@@ -284,6 +286,7 @@ class GenerationService:
             deadline_s=request.deadline_s,
             edge_id=request.request_id,
             sibling=sibling,
+            slo=request.slo,
         )
 
     @staticmethod
