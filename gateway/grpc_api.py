@@ -32,6 +32,7 @@ from gateway.errors import (
     public_message,
 )
 from gateway.events import Finish, TokenDelta
+from gateway.interfaces import REASONING_EFFORTS, ChatOptions, template_kwargs
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
 from pdserve.rpc.client import REQUEST_ID_METADATA
 from pdserve.telemetry import tracing
@@ -109,6 +110,40 @@ def _tools(tools_json: str) -> tuple[dict[str, Any], ...] | None:
     return tuple(tools)
 
 
+def _chat_prompt(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> Prompt:
+    return Prompt(
+        messages=_messages(request.chat),
+        tools=_tools(request.tools_json),
+        chat=_chat_options(request.chat_options),
+    )
+
+
+def _chat_options(options: generate_pb2.ChatTemplateOptions) -> ChatOptions:
+    """vLLM's chat rendering fields, with its defaults where unset."""
+    kwargs = None
+    if options.chat_template_kwargs_json:
+        kwargs = _json(options.chat_template_kwargs_json, "chat_template_kwargs_json")
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest(
+                "chat_template_kwargs_json must be a JSON object", param="chat_template_kwargs_json"
+            )
+    effort = options.reasoning_effort or None
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not {effort[:32]!r}",
+            param="reasoning_effort",
+        )
+    return ChatOptions(
+        add_generation_prompt=(
+            options.add_generation_prompt if options.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=(
+            options.continue_final_message if options.HasField("continue_final_message") else False
+        ),
+        template_kwargs=template_kwargs(kwargs, effort),
+    )
+
+
 def _chat_body(request: generate_pb2.GenerateRequest, prompt: Prompt) -> dict[str, Any]:
     """The chat request as OpenAI's JSON body, for vLLM's parsers (``gateway.chat_parsing``)."""
     body: dict[str, Any] = {"messages": list(prompt.messages or ())}
@@ -123,6 +158,13 @@ def _chat_body(request: generate_pb2.GenerateRequest, prompt: Prompt) -> dict[st
             body[name] = getattr(request, name)
     if request.params.HasField("skip_special_tokens"):
         body["skip_special_tokens"] = request.params.skip_special_tokens
+    chat = prompt.chat
+    body["add_generation_prompt"] = chat.add_generation_prompt
+    body["continue_final_message"] = chat.continue_final_message
+    if chat.template_kwargs:
+        body["chat_template_kwargs"] = dict(chat.template_kwargs)
+    if request.chat_options.reasoning_effort:
+        body["reasoning_effort"] = request.chat_options.reasoning_effort
     return body
 
 
@@ -148,7 +190,7 @@ def _prompt(request: generate_pb2.GenerateRequest) -> Prompt:
     if kind == "token_ids":
         return Prompt(token_ids=tuple(request.token_ids.ids))
     if kind == "chat":
-        return Prompt(messages=_messages(request.chat), tools=_tools(request.tools_json))
+        return _chat_prompt(request)
     raise InvalidRequest("the request has no input (text, token_ids or chat)", param="input")
 
 
@@ -267,7 +309,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.service.check_model(request.model)
             run = self.service.offload.run  # off the event loop
             if request.WhichOneof("input") == "chat":
-                prompt = Prompt(messages=_messages(request.chat), tools=_tools(request.tools_json))
+                prompt = _chat_prompt(request)
                 ids = await run(self.service.tokenize, prompt)
             else:
                 ids = await run(self.service.tokenizer.encode_text, request.text)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,23 @@ class ChatOptions:
 
 
 DEFAULT_CHAT = ChatOptions()  # vLLM's defaults
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
+
+
+def template_kwargs(
+    kwargs: Mapping[str, Any] | None, reasoning_effort: str | None
+) -> Mapping[str, Any] | None:
+    """``chat_template_kwargs`` with ``reasoning_effort`` as vLLM passes it to the template:
+    as a variable of its own, plus ``enable_thinking`` (false for "none") unless the kwargs
+    set it (vLLM's ``build_chat_params``)."""
+    if reasoning_effort is None:
+        return kwargs
+    merged = dict(kwargs or {})
+    merged.setdefault("enable_thinking", reasoning_effort != "none")
+    merged["reasoning_effort"] = reasoning_effort
+    return merged
 
 
 class PromptTokenizer(Protocol):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequest
-from gateway.interfaces import ChatOptions
+from gateway.interfaces import ChatOptions, ReasoningEffort, template_kwargs
 from gateway.openai_fields import CHAT, COMPLETION, STRUCTURED, refuse_unsupported
 from gateway.service import Prompt
 from protos.v1 import common_pb2
@@ -365,9 +365,7 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
-        None
-    )
+    reasoning_effort: ReasoningEffort | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -422,18 +420,6 @@ class ChatCompletionRequest(_Sampling):
                 param="tool_choice",
             )
 
-    def _template_kwargs(self) -> dict[str, Any] | None:
-        """``chat_template_kwargs`` with ``reasoning_effort`` as vLLM passes it to the
-        template: as a variable of its own, plus ``enable_thinking`` (false for "none")
-        unless the request's kwargs set it (vLLM's ``build_chat_params``)."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        kwargs = dict(self.chat_template_kwargs or {})
-        if "enable_thinking" not in kwargs:
-            kwargs["enable_thinking"] = self.reasoning_effort != "none"
-        kwargs["reasoning_effort"] = self.reasoning_effort
-        return kwargs
-
     def to_prompt(self) -> Prompt:
         messages = tuple(m.for_template(i) for i, m in enumerate(self.messages))
         tools = tuple(t.model_dump(exclude_none=True) for t in self.tools) if self.tools else None
@@ -442,7 +428,7 @@ class ChatCompletionRequest(_Sampling):
             continue_final_message=self.continue_final_message,
             add_special_tokens=self.add_special_tokens,
             documents=tuple(self.documents) if self.documents else None,
-            template_kwargs=self._template_kwargs(),
+            template_kwargs=template_kwargs(self.chat_template_kwargs, self.reasoning_effort),
         )
         return Prompt(
             messages=messages,

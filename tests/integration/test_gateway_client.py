@@ -8,6 +8,7 @@ import json
 import sys
 
 import grpc
+import httpx
 import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
@@ -119,3 +120,48 @@ async def test_grpc_final_message_hides_workers_when_routing_headers_are_off() -
         ):
             _, last = await client.complete(text="Hello", max_tokens=2)
         assert bool(last.raw.prefill_worker) == bool(last.raw.decode_worker) == shown, last.raw
+
+
+async def test_grpc_chat_options_render_the_chat_as_the_http_fields_do() -> None:
+    """continue_final_message, add_generation_prompt, chat_template_kwargs and
+    reasoning_effort reach the chat template from gRPC as from HTTP: the prefill worker gets
+    the same ids, and Tokenize returns them."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    fields = {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"custom": 1},
+        "reasoning_effort": "low",
+    }
+    options = generate_pb2.ChatTemplateOptions(
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template_kwargs_json=json.dumps({"custom": 1}),
+        reasoning_effort="low",
+    )
+    async with gateway_cluster() as c, grpc.aio.insecure_channel(c.grpc_target) as channel:
+        async with httpx.AsyncClient(base_url=c.base_url) as http:
+            answer = await http.post(
+                "/v1/chat/completions", json={"messages": chat, "max_tokens": 2, **fields}
+            )
+        assert answer.status_code == 200, answer.text
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        request = generate_pb2.GenerateRequest(chat_options=options)
+        request.chat.messages.extend(generate_pb2.ChatMessage(**m) for m in chat)
+        request.params.max_tokens = 2
+        _ = [r async for r in stub.Generate(request)]
+        tokenize = generate_pb2.TokenizeRequest(chat_options=options)
+        tokenize.chat.messages.extend(generate_pb2.ChatMessage(**m) for m in chat)
+        ids = list((await stub.Tokenize(tokenize)).token_ids)
+        plain = generate_pb2.TokenizeRequest()
+        plain.chat.messages.extend(generate_pb2.ChatMessage(**m) for m in chat)
+        default_ids = list((await stub.Tokenize(plain)).token_ids)
+        tokenize.chat_options.reasoning_effort = "extreme"
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.Tokenize(tokenize)
+    over_http, over_grpc = (list(r.prompt_token_ids) for r in c.prefill.seen.requests)
+    assert over_grpc == over_http == ids
+    assert default_ids != ids  # without the options the final message is closed
+    assert tokenizer().decode(ids).endswith("Hello, I")
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "reasoning_effort" in (bad.value.details() or "")
