@@ -335,6 +335,7 @@ async def _serve(
         chat=chat,
         include_usage=body.include_usage,
         return_token_ids=bool(body.return_token_ids),
+        echoed=body.echoed() if isinstance(body, ChatCompletionRequest) else "",
     )
     generations = await _unless_disconnected(request, start_all(service, specs))
     if generations is None:

@@ -42,7 +42,6 @@ COMMON: dict[str, tuple[Any, str]] = {
 
 CHAT: dict[str, tuple[Any, str]] = {
     **COMMON,
-    "echo": (False, _LATER + " for chat"),
     "chat_template": (None, "a request's own chat template is " + _LATER),
     "media_io_kwargs": (None, "multimodal input is " + _LATER),
     "mm_processor_kwargs": (None, "multimodal input is " + _LATER),

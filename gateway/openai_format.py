@@ -112,9 +112,13 @@ class ChunkShaper:
         chat: bool,
         include_usage: bool,
         return_token_ids: bool = False,
+        echoed: str = "",
     ) -> None:
         """``return_token_ids``: vLLM's field: each choice carries its token ids (the deltas'
-        when streamed) and the prompt's (a chat's at the top, once)."""
+        when streamed) and the prompt's (a chat's at the top, once). ``echoed``: a chat's
+        ``echo``: the text every choice's message starts with (a stream sends it in a chunk
+        of its own per choice, after the role)."""
+        self.echoed = echoed
         self.chat = chat
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
@@ -210,6 +214,9 @@ class ChunkShaper:
             choice: dict[str, Any] = {"index": result.index}
             if self.chat:
                 choice["message"] = result.message or {"role": "assistant", "content": result.text}
+                if self.echoed:
+                    message = choice["message"] = dict(choice["message"])
+                    message["content"] = self.echoed + (message.get("content") or "")
             else:
                 choice["text"] = result.text
             choice.update(

@@ -366,6 +366,7 @@ class ChatCompletionRequest(_Sampling):
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    echo: bool = False
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -419,6 +420,17 @@ class ChatCompletionRequest(_Sampling):
                 '"auto" or "required" are supported.',
                 param="tool_choice",
             )
+
+    def echoed(self) -> str:
+        """With ``echo``, what vLLM puts before the answer: the last message's content when
+        that message has the answer's role (the assistant's, or with add_generation_prompt
+        off any role: the answer continues that message); else ""."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return ""
+        return last.text(len(self.messages) - 1)
 
     def to_prompt(self) -> Prompt:
         messages = tuple(m.for_template(i) for i, m in enumerate(self.messages))

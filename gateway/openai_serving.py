@@ -164,6 +164,9 @@ class OpenAIResponder:
             for chunk, state in zip(opening, self.states, strict=False):
                 yield fmt.sse(self._with_usage(chunk, state))
             for state in self.states:
+                if self.shaper.echoed:  # a chat's echo: the message it continues
+                    chunk = self.shaper.delta(state.spec.index, self.shaper.echoed, None)
+                    yield fmt.sse(self._with_usage(chunk, state))
                 if state.echo:
                     text, logprobs = self._echo_delta(state)
                     chunk = self.shaper.delta(state.spec.index, text, logprobs)

@@ -87,6 +87,25 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
             continue_final_message=True,
         ),
     ),
+    "chat_echo": (
+        CHAT,
+        _chat(
+            messages=[*COLORS, {"role": "assistant", "content": "Red, blue"}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+            echo=True,
+        ),
+    ),
+    "chat_echo_streamed": (
+        CHAT,
+        _chat(
+            messages=[*COLORS, {"role": "assistant", "content": "Red, blue"}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+            echo=True,
+            stream=True,
+        ),
+    ),
     "chat_allowed_tokens": (CHAT, _chat(allowed_token_ids=[17, 28], max_tokens=5)),
     "chat_bad_words": (CHAT, _chat(bad_words=["red", "Red"])),
     "chat_n2_seeded": (CHAT, _chat(n=2, temperature=0.8, seed=11, max_tokens=8)),
