@@ -336,6 +336,7 @@ async def _serve(
         include_usage=body.include_usage,
         return_token_ids=bool(body.return_token_ids),
         echoed=body.echoed() if isinstance(body, ChatCompletionRequest) else "",
+        role=body.answer_role() if isinstance(body, ChatCompletionRequest) else "assistant",
     )
     generations = await _unless_disconnected(request, start_all(service, specs))
     if generations is None:

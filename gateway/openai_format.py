@@ -113,12 +113,14 @@ class ChunkShaper:
         include_usage: bool,
         return_token_ids: bool = False,
         echoed: str = "",
+        role: str = "assistant",
     ) -> None:
         """``return_token_ids``: vLLM's field: each choice carries its token ids (the deltas'
         when streamed) and the prompt's (a chat's at the top, once). ``echoed``: a chat's
         ``echo``: the text every choice's message starts with (a stream sends it in a chunk
-        of its own per choice, after the role)."""
+        of its own per choice, after the role). ``role``: a chat answer's role."""
         self.echoed = echoed
+        self.role = role
         self.chat = chat
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
@@ -165,7 +167,7 @@ class ChunkShaper:
         chunks = []
         for index, prompt in enumerate(prompts):
             choice = self._choice(index, "")
-            choice["delta"] = {"role": "assistant", "content": ""}
+            choice["delta"] = {"role": self.role, "content": ""}
             chunk = self._chunk([choice])
             if self.return_token_ids:
                 chunk["prompt_token_ids"] = list(prompt)
@@ -213,10 +215,12 @@ class ChunkShaper:
         for result in sorted(results, key=lambda r: r.index):
             choice: dict[str, Any] = {"index": result.index}
             if self.chat:
-                choice["message"] = result.message or {"role": "assistant", "content": result.text}
+                message = {"role": self.role, "content": result.text}
+                if result.message is not None:  # built by vLLM's parsers
+                    message = {**result.message, "role": self.role}
                 if self.echoed:
-                    message = choice["message"] = dict(choice["message"])
                     message["content"] = self.echoed + (message.get("content") or "")
+                choice["message"] = message
             else:
                 choice["text"] = result.text
             choice.update(

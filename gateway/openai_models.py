@@ -421,16 +421,19 @@ class ChatCompletionRequest(_Sampling):
                 param="tool_choice",
             )
 
+    def answer_role(self) -> str:
+        """The answer's role, as vLLM's: the assistant's, or with add_generation_prompt off
+        the last message's (the answer continues it)."""
+        if self.add_generation_prompt or not self.messages:
+            return "assistant"
+        return self.messages[-1].role
+
     def echoed(self) -> str:
         """With ``echo``, what vLLM puts before the answer: the last message's content when
-        that message has the answer's role (the assistant's, or with add_generation_prompt
-        off any role: the answer continues that message); else ""."""
-        if not self.echo or not self.messages:
+        that message has the answer's role; else ""."""
+        if not self.echo or not self.messages or self.messages[-1].role != self.answer_role():
             return ""
-        last = self.messages[-1]
-        if self.add_generation_prompt and last.role != "assistant":
-            return ""
-        return last.text(len(self.messages) - 1)
+        return self.messages[-1].text(len(self.messages) - 1)
 
     def to_prompt(self) -> Prompt:
         messages = tuple(m.for_template(i) for i, m in enumerate(self.messages))

@@ -1,6 +1,7 @@
 """A chat's ``echo`` as vLLM's: the last message's content starts every choice's message when
 that message has the answer's role (whole and streamed; equal to ``vllm serve`` in the
-conformance battery, tests/e2e/conformance.py ``chat_echo*``)."""
+conformance battery, tests/e2e/conformance.py ``chat_echo*``); the answer's role is the
+assistant's, or without a generation prompt the last message's."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ async def _chat(http: httpx.AsyncClient, **body: Any) -> httpx.Response:
     return answer
 
 
-async def test_echo_starts_every_message_with_the_continued_one() -> None:
+async def test_echo_and_the_answers_role_follow_the_continued_message() -> None:
     async with gateway_cluster() as c, httpx.AsyncClient(base_url=c.base_url) as http:
         whole = (await _chat(http, messages=CONTINUED, echo=True, n=2, **CONTINUE)).json()
         streamed = await _chat(http, messages=CONTINUED, echo=True, stream=True, **CONTINUE)
         # The answer's role is the assistant's and the last message is the user's: no echo.
         user_last = (await _chat(http, messages=CONTINUED[:1], echo=True)).json()
         plain = (await _chat(http, messages=CONTINUED, **CONTINUE)).json()
+        # Without a generation prompt the answer continues the last message, whatever its role.
+        users = await _chat(http, messages=CONTINUED[:1], echo=True, add_generation_prompt=False)
+        streamed_users = await _chat(
+            http, messages=CONTINUED[:1], add_generation_prompt=False, stream=True
+        )
     assert [ch["message"]["content"] for ch in whole["choices"]] == ["Red, " + ANSWER] * 2
     events = parse_sse(streamed.text)
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
@@ -37,3 +43,8 @@ async def test_echo_starts_every_message_with_the_continued_one() -> None:
     assert "".join(d.get("content") or "" for d in deltas) == "Red, " + ANSWER
     assert user_last["choices"][0]["message"]["content"] == ANSWER
     assert plain["choices"][0]["message"]["content"] == ANSWER
+    assert users.json()["choices"][0]["message"] == {"role": "user", "content": "Colors?" + ANSWER}
+    assert parse_sse(streamed_users.text)[0]["choices"][0]["delta"] == {
+        "role": "user",
+        "content": "",
+    }
