@@ -42,7 +42,7 @@ from gateway.http_errors import ERROR_RESPONSES, error_response
 from gateway.offload import BuiltOnce
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_serving import OpenAIResponder
-from gateway.service import GenerateRequest, GenerationService, edge_request_id
+from gateway.service import GenerateRequest, GenerationService, chosen_request_id, edge_request_id
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from gateway.tokenizer_info import tokenizer_info
 from gateway.vllm_front_end import front_end
@@ -81,12 +81,15 @@ class RequestIdMiddleware:
             return
         headers = Headers(scope=scope)
         request_id = edge_request_id(headers.get(REQUEST_ID_HEADER))
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["request_id_header"] = REQUEST_ID_HEADER in headers
         status = {"code": 0}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+                # The body's request_id may have named the request since (_request_id).
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = state["request_id"]
                 status["code"] = int(message["status"])
             await send(message)
 
@@ -144,7 +147,8 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = body.sampling_params()
         parent = GenerateRequest(
-            _request_id(request), body.prompts()[0], params, body.model or "", "completions",
+            _request_id(request, body.request_id), body.prompts()[0], params, body.model or "",
+            "completions",
             slo=service.settings.slo.with_headers(request.headers),
         )  # fmt: skip
         specs = choice_specs(parent, body.prompts(), body.n)
@@ -292,7 +296,11 @@ async def _json_body(request: Request) -> Any:
         raise InvalidRequest("the request body is not valid JSON") from err
 
 
-def _request_id(request: Request) -> str:
+def _request_id(request: Request, chosen: str | None = None) -> str:
+    """The request's id: the ``x-request-id`` header's, else the body's ``request_id``
+    (``chosen``, as vLLM's), else the one the gateway made."""
+    if chosen is not None and not request.state.request_id_header:
+        request.state.request_id = chosen_request_id(chosen)
     request_id: str = request.state.request_id
     return request_id
 
@@ -309,7 +317,8 @@ async def _serve_chat(
     params = body.sampling_params()
     parsed = await parse_chat(service.chat_parsing, service.offload, raw, params)
     parent = GenerateRequest(
-        _request_id(request), body.to_prompt(), params, body.model or "", endpoint,
+        _request_id(request, body.request_id), body.to_prompt(), params, body.model or "",
+        endpoint,
         slo=service.settings.slo.with_headers(request.headers),
     )  # fmt: skip
     specs = choice_specs(parent, [parent.prompt], body.n)

@@ -26,7 +26,6 @@ COMMON: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (None, _LATER + " on this endpoint"),
     "logprob_token_ids": (None, _LATER),
     "priority": (0, "priority scheduling is " + _LATER),
-    "request_id": (None, _LATER + ": the gateway names each request (x-request-id)"),
     "session_id": (None, _LATER),
     "routed_experts_prompt_start": (0, _LATER),
     "return_token_offsets": (False, _LATER),

@@ -53,6 +53,8 @@ class _Sampling(BaseModel):
     REFUSED: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     model: str | None = None
+    # The response's id (cmpl-/chatcmpl- and it) when no x-request-id header names one.
+    request_id: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)

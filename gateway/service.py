@@ -64,6 +64,16 @@ def edge_request_id(candidate: str | None) -> str:
     return uuid.uuid4().hex
 
 
+def chosen_request_id(candidate: str) -> str:
+    """A request id the client chose in the body (vLLM's ``request_id`` field): kept when it
+    is a sane token, as ``x-request-id`` is; else a 400 naming the field."""
+    if not _REQUEST_ID_OK.fullmatch(candidate):
+        raise InvalidRequest(
+            "request_id must be 1 to 128 letters, digits or ._:- characters", param="request_id"
+        )
+    return candidate
+
+
 def internal_request_id() -> str:
     """The gateway's own id for one attempt at one choice: what the workers, their engines
     and ``Abort`` see. Random, so no client can name (abort, unpin) another's request."""
