@@ -198,6 +198,11 @@ class GatewaySettings(BaseSettings):
         "Redis each); beyond it the tier's entries are dropped and relearned, since the index "
         "does not see the tier's own evictions",
     )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="render a chat with the request's own chat_template (vLLM's flag of the "
+        "same name); without it such a request is a 400, as vLLM's",
+    )
     slo_ttft_ms: float = Field(
         default=0,
         ge=0,

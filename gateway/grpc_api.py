@@ -141,6 +141,7 @@ def _chat_options(options: generate_pb2.ChatTemplateOptions) -> ChatOptions:
             options.continue_final_message if options.HasField("continue_final_message") else False
         ),
         template_kwargs=template_kwargs(kwargs, effort),
+        template=options.chat_template if options.HasField("chat_template") else None,
     )
 
 

@@ -16,13 +16,15 @@ class ChatOptions:
     """How a chat is rendered: vLLM's chat request fields of the same names (its defaults).
 
     ``template_kwargs``: extra variables for the chat template (``chat_template_kwargs``);
-    ``documents``: given to the template as vLLM and transformers do."""
+    ``documents``: given to the template as vLLM and transformers do; ``template``: the
+    request's ``chat_template``, in place of the model's."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: tuple[Mapping[str, Any], ...] | None = None
     template_kwargs: Mapping[str, Any] | None = None
+    template: str | None = None  # the request's own chat template (trusted gateways only)
 
 
 DEFAULT_CHAT = ChatOptions()  # vLLM's defaults

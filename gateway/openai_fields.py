@@ -41,7 +41,6 @@ COMMON: dict[str, tuple[Any, str]] = {
 
 CHAT: dict[str, tuple[Any, str]] = {
     **COMMON,
-    "chat_template": (None, "a request's own chat template is " + _LATER),
     "media_io_kwargs": (None, "multimodal input is " + _LATER),
     "mm_processor_kwargs": (None, "multimodal input is " + _LATER),
     "return_prompt_text": (None, _LATER),

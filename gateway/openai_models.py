@@ -369,6 +369,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
     echo: bool = False
+    chat_template: str | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -446,6 +447,7 @@ class ChatCompletionRequest(_Sampling):
             add_special_tokens=self.add_special_tokens,
             documents=tuple(self.documents) if self.documents else None,
             template_kwargs=template_kwargs(self.chat_template_kwargs, self.reasoning_effort),
+            template=self.chat_template,
         )
         return Prompt(
             messages=messages,

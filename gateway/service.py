@@ -64,6 +64,13 @@ def edge_request_id(candidate: str | None) -> str:
     return uuid.uuid4().hex
 
 
+# vLLM's answer to a request's own chat template without --trust-request-chat-template.
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
 def chosen_request_id(candidate: str) -> str:
     """A request id the client chose in the body (vLLM's ``request_id`` field): kept when it
     is a sane token, as ``x-request-id`` is; else a 400 naming the field."""
@@ -354,6 +361,8 @@ class GenerationService:
         if prompt.messages is not None:
             if not prompt.messages:
                 raise InvalidRequest("messages must not be empty", param="messages")
+            if prompt.chat.template is not None and not self.settings.trust_request_chat_template:
+                raise InvalidRequest(UNTRUSTED_TEMPLATE, param="chat_template")
             tools = [dict(t) for t in prompt.tools] if prompt.tools else None
             messages = [dict(m) for m in prompt.messages]
             return self.tokenizer.encode_chat(messages, tools=tools, options=prompt.chat)

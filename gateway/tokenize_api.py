@@ -8,12 +8,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.errors import InvalidRequest
+from gateway.interfaces import ChatOptions
 from gateway.openai_models import ChatMessage, FunctionTool
 from gateway.service import GenerationService, Prompt
 
 
 class TokenizeRequest(BaseModel):
-    """Either ``prompt`` (completions text) or ``messages`` (chat, generation prompt added)."""
+    """Either ``prompt`` (completions text) or ``messages`` (a chat, rendered with vLLM's chat
+    fields of its tokenize request, as a chat completion renders it)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -22,6 +24,11 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: list[FunctionTool] | None = None
     return_token_strs: bool = False
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for a chat
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -54,9 +61,17 @@ def _tokenize(
     if body.messages is not None:
         messages = tuple(m.for_template(i) for i, m in enumerate(body.messages))
         tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
-        ids = service.tokenize(Prompt(messages=messages, tools=tools))
+        options = ChatOptions(
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=bool(body.add_special_tokens),
+            template_kwargs=body.chat_template_kwargs,
+            template=body.chat_template,
+        )
+        ids = service.tokenize(Prompt(messages=messages, tools=tools, chat=options))
     else:
-        ids = service.tokenizer.encode_text(body.prompt or "")
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = service.tokenizer.encode_text(body.prompt or "", special)
     strs = [service.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
     return ids, strs
 

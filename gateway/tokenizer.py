@@ -76,7 +76,7 @@ class HfTokenizer:
 
         ``tools`` go to the template as vLLM passes them; a template that ignores them renders
         the same text as without."""
-        if not getattr(self._tok, "chat_template", None):
+        if not (options.template or getattr(self._tok, "chat_template", None)):
             raise InvalidRequest("this model has no chat template; use /v1/completions")
         if options.continue_final_message and options.add_generation_prompt:
             raise InvalidRequest(
@@ -100,6 +100,7 @@ class HfTokenizer:
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 tokenize=False,
+                **({"chat_template": options.template} if options.template else {}),
                 **extra,
             )
         except (TemplateError, ValueError, TypeError, KeyError) as err:  # e.g. bad roles

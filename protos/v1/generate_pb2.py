@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.v1 import common_pb2 as protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/v1/generate.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x8f\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ntools_json\x18\x06 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x07 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x11include_reasoning\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x35\n\x0c\x63hat_options\x18\n \x01(\x0b\x32\x1f.pdserve.v1.ChatTemplateOptionsB\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x14\n\x12_include_reasoning\"\xd0\x01\n\x13\x43hatTemplateOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x03 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x04 \x01(\tB\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_message\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xf9\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12+\n\x08transfer\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0bstop_reason\x18\t \x01(\t\x12\x1a\n\rstop_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x12\x11\n\treasoning\x18\x0b \x01(\t\x12-\n\ntool_calls\x18\x0c \x03(\x0b\x32\x19.pdserve.v1.ToolCallDeltaB\x10\n\x0e_stop_token_id\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model\"\xae\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\x35\n\x0c\x63hat_options\x18\x05 \x01(\x0b\x32\x1f.pdserve.v1.ChatTemplateOptionsB\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/v1/generate.proto\x12\npdserve.v1\x1a\x16protos/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x8f\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ntools_json\x18\x06 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x07 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x11include_reasoning\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x35\n\x0c\x63hat_options\x18\n \x01(\x0b\x32\x1f.pdserve.v1.ChatTemplateOptionsB\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x14\n\x12_include_reasoning\"\xfe\x01\n\x13\x43hatTemplateOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x03 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x04 \x01(\t\x12\x1a\n\rchat_template\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_messageB\x10\n\x0e_chat_template\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xf9\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12+\n\x08transfer\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0bstop_reason\x18\t \x01(\t\x12\x1a\n\rstop_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x12\x11\n\treasoning\x18\x0b \x01(\t\x12-\n\ntool_calls\x18\x0c \x03(\x0b\x32\x19.pdserve.v1.ToolCallDeltaB\x10\n\x0e_stop_token_id\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model\"\xae\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\x35\n\x0c\x63hat_options\x18\x05 \x01(\x0b\x32\x1f.pdserve.v1.ChatTemplateOptionsB\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=256
   _globals['_GENERATEREQUEST']._serialized_end=655
   _globals['_CHATTEMPLATEOPTIONS']._serialized_start=658
-  _globals['_CHATTEMPLATEOPTIONS']._serialized_end=866
-  _globals['_TOOLCALLDELTA']._serialized_start=868
-  _globals['_TOOLCALLDELTA']._serialized_end=943
-  _globals['_GENERATERESPONSE']._serialized_start=946
-  _globals['_GENERATERESPONSE']._serialized_end=1323
-  _globals['_LISTMODELSREQUEST']._serialized_start=1325
-  _globals['_LISTMODELSREQUEST']._serialized_end=1344
-  _globals['_MODEL']._serialized_start=1346
-  _globals['_MODEL']._serialized_end=1388
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1390
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1445
-  _globals['_TOKENIZEREQUEST']._serialized_start=1448
-  _globals['_TOKENIZEREQUEST']._serialized_end=1622
-  _globals['_TOKENIZERESPONSE']._serialized_start=1624
-  _globals['_TOKENIZERESPONSE']._serialized_end=1699
-  _globals['_GENERATION']._serialized_start=1702
-  _globals['_GENERATION']._serialized_end=1935
+  _globals['_CHATTEMPLATEOPTIONS']._serialized_end=912
+  _globals['_TOOLCALLDELTA']._serialized_start=914
+  _globals['_TOOLCALLDELTA']._serialized_end=989
+  _globals['_GENERATERESPONSE']._serialized_start=992
+  _globals['_GENERATERESPONSE']._serialized_end=1369
+  _globals['_LISTMODELSREQUEST']._serialized_start=1371
+  _globals['_LISTMODELSREQUEST']._serialized_end=1390
+  _globals['_MODEL']._serialized_start=1392
+  _globals['_MODEL']._serialized_end=1434
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1436
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1491
+  _globals['_TOKENIZEREQUEST']._serialized_start=1494
+  _globals['_TOKENIZEREQUEST']._serialized_end=1668
+  _globals['_TOKENIZERESPONSE']._serialized_start=1670
+  _globals['_TOKENIZERESPONSE']._serialized_end=1745
+  _globals['_GENERATION']._serialized_start=1748
+  _globals['_GENERATION']._serialized_end=1981
 # @@protoc_insertion_point(module_scope)

@@ -160,6 +160,7 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "completion_too_long": (COMPLETIONS, _completion(max_tokens=10**6)),
     "chat_reasoning_effort": (CHAT, _chat(reasoning_effort="low")),
     "error_reasoning_effort": (CHAT, _chat(reasoning_effort="extreme")),
+    "error_chat_template_untrusted": (CHAT, _chat(chat_template="{{ messages }}")),
     "error_temperature": (CHAT, _chat(temperature=-1)),
     "error_no_messages": (CHAT, {"max_tokens": 4}),
     "error_tool_choice": (CHAT, _chat(tools=[WEATHER], tool_choice="sometimes")),

@@ -71,7 +71,6 @@ def test_structured_outputs_fields_are_honoured_or_refused() -> None:
         ("logprob_token_ids", [1, 2]),
         ("priority", 1),
         ("kv_transfer_params", {"do_remote_decode": True}),
-        ("chat_template", "{{ messages }}"),
         ("use_beam_search", True),
         ("vllm_xargs", {"a": 1}),
     ],
