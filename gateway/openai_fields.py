@@ -33,7 +33,6 @@ COMMON: dict[str, tuple[Any, str]] = {
     "return_mm_kwargs": (None, "multimodal input is " + _LATER),
     "kv_transfer_params": (None, _PD),
     "ec_transfer_params": (None, _PD),
-    "vllm_xargs": (None, _LATER),
     "repetition_detection": (None, _LATER),
     "thinking_token_budget": (None, "reasoning is " + _LATER),
     "stream_interval": (None, _LATER),

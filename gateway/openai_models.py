@@ -53,6 +53,8 @@ class _Sampling(BaseModel):
     REFUSED: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     model: str | None = None
+    # Extra arguments for the decode engine's logits processors (SamplingParams.extra_args).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     # The response's id (cmpl-/chatcmpl- and it) when no x-request-id header names one.
     request_id: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
@@ -132,6 +134,7 @@ class _Sampling(BaseModel):
             allowed_token_ids=self.allowed_token_ids or [],
             bad_words=self.bad_words or [],
             cache_salt=self.cache_salt,
+            vllm_xargs_json=json.dumps(self.vllm_xargs) if self.vllm_xargs else "",
         )
         optional = (
             "temperature",

@@ -49,6 +49,15 @@ def to_vllm(
     if params.HasField("structured_output"):
         kwargs["structured_outputs"] = _structured(params.structured_output)
     kwargs.update(extra)
+    if params.vllm_xargs_json:
+        try:
+            xargs = json.loads(params.vllm_xargs_json)
+        except ValueError as exc:
+            raise InvalidRequest(f"vllm_xargs is not JSON: {exc}") from exc
+        if not isinstance(xargs, dict):
+            raise InvalidRequest("vllm_xargs must be a JSON object")
+        # pdserve's own entries (the KV hand-off) win over a client's of the same name.
+        kwargs["extra_args"] = {**xargs, **(kwargs.get("extra_args") or {})}
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:

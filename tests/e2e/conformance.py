@@ -107,6 +107,7 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
         ),
     ),
     "chat_no_generation_prompt": (CHAT, _chat(add_generation_prompt=False)),
+    "chat_vllm_xargs": (CHAT, _chat(vllm_xargs={"unused_by_any_processor": 1})),
     "chat_allowed_tokens": (CHAT, _chat(allowed_token_ids=[17, 28], max_tokens=5)),
     "chat_bad_words": (CHAT, _chat(bad_words=["red", "Red"])),
     "chat_n2_seeded": (CHAT, _chat(n=2, temperature=0.8, seed=11, max_tokens=8)),

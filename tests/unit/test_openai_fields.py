@@ -72,7 +72,6 @@ def test_structured_outputs_fields_are_honoured_or_refused() -> None:
         ("priority", 1),
         ("kv_transfer_params", {"do_remote_decode": True}),
         ("use_beam_search", True),
-        ("vllm_xargs", {"a": 1}),
     ],
 )
 def test_a_refused_chat_field_is_a_400_naming_it(field: str, value: Any) -> None:
