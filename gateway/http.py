@@ -361,6 +361,9 @@ async def _serve(
         logprobs=body.logprobs_count(),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
         parsed=parsed,
+        prompt_logprobs=(
+            body.prompt_logprobs_count() if isinstance(body, ChatCompletionRequest) else None
+        ),
     )
     if body.stream:
         events = responder.sse() if anthropic is None else anthropic.events(responder.sse())

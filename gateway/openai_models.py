@@ -380,6 +380,18 @@ class ChatCompletionRequest(_Sampling):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """As vLLM's: a whole answer under ``echo`` carries the prompt's logprobs, with
+        ``top_logprobs`` alternatives (a stream has none)."""
+        return (self.top_logprobs or 0) if self.echo and not self.stream else None
+
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        params = super().sampling_params()
+        count = self.prompt_logprobs_count()
+        if count is not None:
+            params.prompt_logprobs = count
+        return params
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:

@@ -55,12 +55,17 @@ class OpenAIResponder:
         prompt_only: bool = False,
         continuous_usage: bool = False,
         parsed: ParsedChat | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
-        """``continuous_usage``: every streamed chunk carries its choice's usage so far;
+        """``prompt_logprobs``: a whole chat answer carries the prompt's logprobs at its top,
+        with that many alternatives (vLLM's, under a chat's ``echo``);
+        ``continuous_usage``: every streamed chunk carries its choice's usage so far;
         ``parsed``: a chat request whose choices vLLM's parsers read (``gateway.chat_parsing``);
         ``tokens_as_ids``: logprobs name tokens by id (``gateway.openai_logprobs``).
         """
         self.continuous_usage = continuous_usage
+        self.prompt_logprobs = prompt_logprobs
+        self.tokens_as_ids = tokens_as_ids
         self.service = service
         self.shaper = shaper
         self.chat = shaper.chat
@@ -114,7 +119,13 @@ class OpenAIResponder:
         async for position, event in merged(self.generations):
             self._record(self.states[position], event)
         results = [self._result(s) for s in self.states]
-        return self.shaper.full_response(results, self.usage())
+        body = self.shaper.full_response(results, self.usage())
+        if self.prompt_logprobs is not None and self.states:
+            top = LogprobFormatter(
+                self.service.tokenizer, top=self.prompt_logprobs, as_token_ids=self.tokens_as_ids
+            )
+            body["prompt_logprobs"] = top.prompt(*self._echo_logprobs(self.states[0]))
+        return body
 
     def _record(self, state: ChoiceState, event: TokenDelta | Finish) -> None:
         if isinstance(event, TokenDelta) and state.prompt_only:

@@ -36,6 +36,11 @@ async def test_echo_and_the_answers_role_follow_the_continued_message() -> None:
             http, messages=CONTINUED[:1], add_generation_prompt=False, stream=True
         )
     assert [ch["message"]["content"] for ch in whole["choices"]] == ["Red, " + ANSWER] * 2
+    # As vLLM's: a whole answer under echo carries the prompt's logprobs at its top.
+    prompt = whole["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == whole["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in prompt[1:])  # the token itself, no alternatives
+    assert "prompt_logprobs" not in plain
     events = parse_sse(streamed.text)
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""}
