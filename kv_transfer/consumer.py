@@ -386,8 +386,8 @@ class Consumer:
             session = self.sessions[conn]
         mac = PullMac(session.key, session.pulls, encode_frame(header))
         session.pulls += 1
-        layer_bytes = [layer.block_bytes for layer in self.config.layout.layers]
-        tags = BlockTags(job_key(self.secret, name), first, count, layer_bytes)
+        key = job_key(self.secret, name)
+        tags = BlockTags(key, first, count, self.config.layout.layer_bytes)
         got = recv_views(conn, views, tags.tracker(views).advance)
         trailer = recv_exact(conn, (count + 1) * MAC_BYTES)
         mac.update(trailer[:-MAC_BYTES])

@@ -31,9 +31,14 @@ class Layout:
     num_blocks: int
 
     @property
+    def layer_bytes(self) -> tuple[int, ...]:
+        """Bytes of one block in each layer, in wire order."""
+        return tuple(layer.block_bytes for layer in self.layers)
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block over all layers."""
-        return sum(layer.block_bytes for layer in self.layers)
+        return sum(self.layer_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -131,7 +131,6 @@ class Producer:
         # Jobs are named "<this process's random name>:<count>" (their tags' keys).
         self.name, self.named = secrets.token_hex(8), itertools.count(1)
         self.to_tag: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.layer_bytes = [layer.block_bytes for layer in config.layout.layers]
         self.listener = socket.create_server((config.bind_host, config.port), backlog=128)
         self.port = self.listener.getsockname()[1]
         # Both keep no state a crash could corrupt: restarted (pdserve.runtime.supervise).
@@ -197,7 +196,7 @@ class Producer:
             if job.tags is None:
                 views = [v.cast("B") for v in self.config.layout.views(self.regions, job.blocks)]
                 key = job_key(self.secret, job.name)
-                job.tags = tag_blocks(key, views, len(job.blocks), self.layer_bytes)
+                job.tags = tag_blocks(key, views, len(job.blocks), self.config.layout.layer_bytes)
             return job.tags
 
     def _finish(self, req: str, reason: str, **stats: Any) -> None:
@@ -443,7 +442,7 @@ class Producer:
             header = encode_frame(
                 {"ok": True, "nbytes": nbytes, "req": req, "job": job.name, "first": first}
             )
-            views = [v.cast("B") for v in self.config.layout.views(self.regions, blocks) if len(v)]
+            views = self.config.layout.views(self.regions, blocks)  # send_views casts them
             # One scatter/gather write for header and blocks: the puller wakes up once. Then
             # the blocks' tags (kv_transfer.integrity: computed when the job registered) and
             # the pull's MAC over header and tags.
