@@ -249,7 +249,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
             with _span("Generate", request_id, metadata):
                 try:
-                    async for message in self._generate(request, request_id, context):
+                    async for message in self._generate(request, request_id, context, metadata):
                         yield message
                 except GatewayError as err:
                     request_log.refused_at_edge(request_id, ENDPOINT, err)
@@ -260,6 +260,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request: generate_pb2.GenerateRequest,
         request_id: str,
         context: grpc.aio.ServicerContext,
+        metadata: dict[str, str],
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """The call's messages; a chat's parsed by the gateway's parsers when it has them."""
         prompt, params = _prompt(request), common_pb2.SamplingParams()
@@ -268,7 +269,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if prompt.messages is not None:
             body = _chat_body(request, prompt)
             parsed = await parse_chat(self.service.chat_parsing, self.service.offload, body, params)
-        metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
         core = GenerateRequest(
             request_id, prompt, params, request.model, ENDPOINT,
             deadline_s=context.time_remaining(),

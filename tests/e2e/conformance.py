@@ -68,6 +68,12 @@ ANTHROPIC_WEATHER = {
 # Without strict the model's arguments are free: SmolLM2 writes a string, which vLLM's
 # converter cannot make a tool_use block (vllm serve: 400)
 LOOSE_WEATHER = {k: v for k, v in ANTHROPIC_WEATHER.items() if k != "strict"}
+# A pre-filled assistant turn, continued rather than closed.
+CONTINUED: dict[str, Any] = {
+    "messages": [*COLORS, {"role": "assistant", "content": "Red, blue"}],
+    "add_generation_prompt": False,
+    "continue_final_message": True,
+}
 # name -> (path, body without "model", or None for a GET)
 BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "chat": (CHAT, _chat()),
@@ -79,33 +85,9 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     ),
     "chat_stop": (CHAT, _chat(stop=["."], max_tokens=32)),
     "chat_stop_token": (CHAT, _chat(stop_token_ids=[28], max_tokens=32)),
-    "chat_continue": (
-        CHAT,
-        _chat(
-            messages=[*COLORS, {"role": "assistant", "content": "Red, blue"}],
-            add_generation_prompt=False,
-            continue_final_message=True,
-        ),
-    ),
-    "chat_echo": (
-        CHAT,
-        _chat(
-            messages=[*COLORS, {"role": "assistant", "content": "Red, blue"}],
-            add_generation_prompt=False,
-            continue_final_message=True,
-            echo=True,
-        ),
-    ),
-    "chat_echo_streamed": (
-        CHAT,
-        _chat(
-            messages=[*COLORS, {"role": "assistant", "content": "Red, blue"}],
-            add_generation_prompt=False,
-            continue_final_message=True,
-            echo=True,
-            stream=True,
-        ),
-    ),
+    "chat_continue": (CHAT, _chat(**CONTINUED)),
+    "chat_echo": (CHAT, _chat(**CONTINUED, echo=True)),
+    "chat_echo_streamed": (CHAT, _chat(**CONTINUED, echo=True, stream=True)),
     "chat_no_generation_prompt": (CHAT, _chat(add_generation_prompt=False)),
     "chat_vllm_xargs": (CHAT, _chat(vllm_xargs={"unused_by_any_processor": 1})),
     "chat_allowed_tokens": (CHAT, _chat(allowed_token_ids=[17, 28], max_tokens=5)),
