@@ -5,6 +5,9 @@
   routing on a real cluster, in the same run.
 - ``pdserve bench serve``: pdserve vs monolithic ``vllm serve`` on the same cores, same
   workloads (vLLM's own benchmark client), with tables and plots.
+- ``pdserve bench goodput``: goodput under SLOs as DistServe measures it (Poisson arrivals at
+  a sweep of request rates, the SLO pair scaled from 0.5 to 4) of ``vllm serve`` and of
+  pdserve with its static and its adaptive disaggregation policy.
 - ``pdserve bench engine``: each worker's engine speed vs a bare vLLM engine, same settings.
 - ``pdserve bench gateway``: the gateway's added TTFT/ITL (fake workers, many concurrent
   streams) against a direct connection to the decode worker, in the same run; with
@@ -30,6 +33,7 @@ BENCHES = {
     "kv": "kv_transfer.bench",
     "routing": "pdserve.bench.routing",
     "serve": "pdserve.bench.serve",
+    "goodput": "pdserve.bench.goodput",
     "engine": "pdserve.bench.engine",
     "gateway": "pdserve.bench.gateway",
     "soak": "pdserve.bench.soak",

@@ -198,10 +198,15 @@ def engines_to_idle_class(pid: int) -> list[int]:
 
 
 def server(
-    system: str, args: argparse.Namespace, model: str, name: str, out: Path
-) -> AbstractContextManager[str]:
-    """The server of ``system`` ("pdserve" or "vllm"), up until the block ends: its URL."""
-    return pdserve_cluster(args, out) if system == "pdserve" else monolith(args, model, name, out)
+    system: str, args: argparse.Namespace, model: str, name: str, out: Path,
+    env: dict[str, str] | None = None,
+) -> AbstractContextManager[str]:  # fmt: skip
+    """The server of ``system`` ("pdserve" or "vllm"), up until the block ends: its URL.
+    ``env`` is added to ``pdserve up``'s environment, which its children (the gateway, the
+    workers) inherit: settings such as ``PDSERVE_GATEWAY_*`` for the gateway."""
+    if system == "pdserve":
+        return pdserve_cluster(args, out, {**os.environ, **env} if env else None)
+    return monolith(args, model, name, out)
 
 
 # ---- workloads ---------------------------------------------------------------------------
@@ -231,6 +236,18 @@ def multi_turn_dataset(path: Path, args: argparse.Namespace) -> int:
     return len(lines)
 
 
+def pacing(args: argparse.Namespace) -> list[str]:
+    """How the client sends requests: at most ``--concurrency`` in flight (0: no cap) and,
+    when the settings have a ``request_rate`` (``bench goodput``; ``bench serve`` has none:
+    all at once), Poisson arrivals at that rate with vLLM's ``--burstiness``."""
+    cap = ["--max-concurrency", str(args.concurrency)] if args.concurrency else []
+    rate = getattr(args, "request_rate", 0.0)
+    if not rate:
+        return cap
+    burstiness = getattr(args, "burstiness", 1.0)
+    return [*cap, "--request-rate", f"{rate:g}", "--burstiness", f"{burstiness:g}"]
+
+
 def workload_runs(
     workload: str, args: argparse.Namespace, out: Path
 ) -> list[tuple[str, list[str]]]:
@@ -240,7 +257,7 @@ def workload_runs(
     if workload == "random":
         return [(workload, [*common, "--dataset-name", "random", "--random-input-len",
                             str(args.input_len), "--random-output-len", o, "--num-prompts", n,
-                            "--max-concurrency", c, "--random-range-ratio",
+                            *pacing(args), "--random-range-ratio",
                             str(args.range_ratio)])]  # fmt: skip
     if workload == "shared_prefix":
         prefix, suffix = args.input_len * 3 // 4, args.input_len // 4
