@@ -174,6 +174,13 @@ class GatewaySettings(BaseSettings):
         "worker is at most this many tokens is computed there (0: always use a prefill worker; "
         "e.g. 256 saves the transfer for short prompts)",
     )
+    disagg_policy: Literal["static", "adaptive"] = Field(
+        default="static",
+        description="where a prompt is computed (gateway.routing.split): static, on a prefill "
+        "worker unless disagg_min_uncached_tokens says otherwise; adaptive, also on the decode "
+        "worker when that is predicted to give the first token sooner without pushing the "
+        "streams it decodes past the TPOT objective (slo_tpot_ms)",
+    )
     prefix_weight: float = Field(
         default=2.0, ge=0, description="routing score weight of the cached share of the prompt"
     )

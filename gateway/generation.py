@@ -120,6 +120,7 @@ class Generation:
         self._done = False
         self._predicted = route.predicted_cached_tokens
         self._feedback = route.feedback  # told how computing the routed prompt went
+        self._split = route.split  # where the prompt is computed, and why (for the log)
         self._decode_span: Any = tracing.NO_SPAN  # from a Decode call to its stream's end
         self._prefill_engine: common_pb2.EngineTimes | None = None
         self._prefill_call_s = 0.0  # the answered prefill call's duration
@@ -398,6 +399,12 @@ class Generation:
                 self._given[(self.decode, rid)] = handoff
         call = self.decode.client.decode(rid, prompt, params, handoff, timeout=self._timeout_s)
         self._stream = DecodeStream(self.decode, rid, call, self._pool)
+        started = time.monotonic()
+        # The decode worker computes the prompt itself: its rate (gateway.routing.split).
+        local = handoff is None and self.path == PATH_LOCAL
+        tokens = len(prompt) - (self._predicted or 0) if local else 0
+        ahead = self.decode.pace.sent(tokens)
+        ok = False
         self._end_decode_span({"pdserve.outcome": "retried"}, "retried")  # an earlier attempt
         attributes = {"pdserve.worker": self.decode.worker_id, "pdserve.kv_handoff": bool(handoff),
                       "pdserve.prompt_tokens": len(prompt)}  # fmt: skip
@@ -405,9 +412,15 @@ class Generation:
         try:
             with tracing.use(self._decode_span):  # the call's metadata carries this span
                 self._first = await self._stream.next(None)
+            ok = self._first is not None
         except BaseException:
             await self._close_stream()
             raise
+        finally:
+            elapsed = time.monotonic() - started
+            self.decode.pace.answered(tokens, ahead, elapsed, ok and local)
+            if ok and handoff is not None:
+                self.decode.steps.handed_off(elapsed)
         if self._first is None:
             raise WorkerFailed(
                 f"decode worker {self.decode.address} ended the stream without a token",
@@ -533,6 +546,7 @@ class Generation:
                 self._decode_span.add_event("first_token")
             else:
                 per_token = (now - self._last_token_at) / count
+                self.decode.steps.stepped(per_token)
                 for _ in range(count):
                     self._metrics.itl.labels(self.path).observe(per_token)
             self._last_token_at = now
@@ -567,6 +581,7 @@ class Generation:
         self._calls.clear()  # every call ended normally
         self._given.clear()
         self._pool.mark_ok(self.decode)
+        self.decode.steps.answered(len(self._generated))
         self._release_workers()
         self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
         self._count_slo()
@@ -625,7 +640,7 @@ class Generation:
             decode_worker=self.decode.worker_id, prompt_tokens=len(self.token_ids),
             completion_tokens=self.completion_tokens, retries=self.retries,
             migrations=self.migrations, received_at=self.received_at,
-            first_token_at=self.first_token_at,
+            first_token_at=self.first_token_at, split=self._split,
         )  # fmt: skip
 
     def _end_decode_span(self, attributes: dict[str, Any], error: str | None = None) -> None:

@@ -129,6 +129,15 @@ class GatewayMetrics:
             ["picker", "path"],
             registry=r,
         )
+        self.split_decisions = Counter(
+            "pdserve_gateway_split_decisions",
+            "Where a prompt the picker gave a prefill worker is computed (disagg_policy; "
+            "gateway.routing.split): where (prefill_worker, decode_worker) and why (static; "
+            "adaptive: learning, prefill_sooner, decode_idle, within_tpot, tpot_guard, "
+            "streams_unguarded).",
+            ["where", "reason"],
+            registry=r,
+        )
         self.route_seconds = Histogram(
             "pdserve_gateway_route_seconds",
             "Duration of one routing decision: the picker's choice of workers (block hashing, "

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway.config import GatewaySettings
+from gateway.decode_pace import DecodePace
 from gateway.pairing import pairing_problem
 from gateway.prefill_pace import PrefillPace
 from pdserve.kvindex.interfaces import WorkerRecord
@@ -58,7 +59,9 @@ class Worker(Generic[C]):
     in_flight: int = 0  # this gateway's requests on the worker now
     peer_in_flight: int = 0  # the other gateways' requests on it (gateway.shared_load)
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
-    pace: PrefillPace = field(default_factory=PrefillPace)  # prefill workers: queue and rate
+    # Prompts it computes: queue and rate (prefill workers; decode workers on the local path)
+    pace: PrefillPace = field(default_factory=PrefillPace)
+    steps: DecodePace = field(default_factory=DecodePace)  # decode workers: steps, hand-offs
     # Set while the worker is not routable: requests streaming from it move elsewhere at once.
     down: asyncio.Event = field(default_factory=asyncio.Event)
     ejected_until: float = 0.0  # circuit breaker: no health probe before this (monotonic)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from gateway.errors import GatewayError
 from gateway.events import outcome_for
+from gateway.routing.interfaces import Split
 from pdserve.telemetry import log as pdlog
 from pdserve.telemetry import tracing
 
@@ -37,6 +38,8 @@ FIELDS = (
     "endpoint",
     "outcome",
     "path",
+    "split",  # where the prompt was computed and why (gateway.routing.split)
+    "predicted_ttft_s",  # the adaptive split's prediction for the chosen worker
     "prefill_worker",
     "decode_worker",
     "prompt_tokens",
@@ -107,6 +110,7 @@ class RoutedRequest:
     migrations: int
     received_at: float  # time.monotonic()
     first_token_at: float | None
+    split: Split | None = None
 
 
 def generation_ended(
@@ -127,6 +131,8 @@ def generation_ended(
         "endpoint": r.endpoint,
         "outcome": outcome,
         "path": r.path,
+        "split": None if r.split is None else str(r.split),
+        "predicted_ttft_s": _seconds(None if r.split is None else r.split.predicted_ttft_s),
         "prefill_worker": r.prefill_worker,
         "decode_worker": r.decode_worker,
         "prompt_tokens": r.prompt_tokens,

@@ -41,6 +41,7 @@ from gateway.offload import Offload
 from gateway.params import check_sampling, resolve_max_tokens, truncate_prompt
 from gateway.pool import WorkerPool
 from gateway.routing.interfaces import Picker, Route, RouteRequest
+from gateway.routing.split import SplitPolicy
 from gateway.sampling_defaults import load_defaults, with_defaults
 from gateway.slo import Slo
 from pdserve.rpc.client import RpcCallError
@@ -155,6 +156,8 @@ def route_attributes(picker: str, route: Route) -> dict[str, Any]:
     }
     if route.predicted_cached_tokens is not None:
         attributes["pdserve.route.predicted_cached_tokens"] = route.predicted_cached_tokens
+    if route.split is not None:
+        attributes["pdserve.route.split"] = str(route.split)
     return attributes
 
 
@@ -181,6 +184,7 @@ class GenerationService:
         self.sampling_defaults = load_defaults(settings.generation_config, tokenizer.model_dir)
         self.pool = pool
         self.picker = picker
+        self.split = SplitPolicy(settings.disagg_policy, metrics)
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
         self.active = 0  # generations admitted and not yet ended
@@ -402,6 +406,7 @@ class GenerationService:
         route_request = RouteRequest(request.request_id, self.model_name, token_ids, salt)
         started = time.perf_counter()
         route = await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
+        route = self.split.decide(route, len(token_ids), request.slo)
         self.metrics.route_seconds.observe(time.perf_counter() - started)
         path = "disaggregated" if route.prefill is not None else "local"
         self.metrics.decisions.labels(self.picker.name, path).inc()

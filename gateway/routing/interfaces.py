@@ -37,6 +37,29 @@ class RouteFeedback(Protocol):
         ...
 
 
+PREFILL_WORKER = "prefill_worker"
+DECODE_WORKER = "decode_worker"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A choice and what it was based on (seconds; None: not predicted)."""
+
+    where: str  # PREFILL_WORKER or DECODE_WORKER
+    reason: str
+    ttft_prefill_s: float | None = None
+    ttft_local_s: float | None = None
+    stall_s: float | None = None
+    streams: int = 0
+
+    @property
+    def predicted_ttft_s(self) -> float | None:
+        return self.ttft_local_s if self.where == DECODE_WORKER else self.ttft_prefill_s
+
+    def __str__(self) -> str:
+        return f"{self.where}:{self.reason}"
+
+
 @dataclass(frozen=True)
 class Route:
     """The chosen workers; ``prefill`` None: the decode worker computes the prompt.
@@ -51,6 +74,10 @@ class Route:
     decode: DecodeWorker
     predicted_cached_tokens: int | None = None
     feedback: RouteFeedback | None = None
+    # What the decode worker's caches would serve (None: no prediction): for the choice of
+    # where the prompt is computed (gateway.routing.split), which it records here.
+    decode_cached_tokens: int | None = None
+    split: Split | None = None
 
 
 class CompatibilityCheck(Protocol):

@@ -129,7 +129,8 @@ class PrefixPicker:
             return Route(None, chosen, predicted_cached_tokens=predicted, feedback=feedback)
         p = self._best(fits, cached, n)
         predicted = None if known is None else cached.get(p, Cached()).tokens
-        return Route(p, chosen, predicted_cached_tokens=predicted, feedback=feedback)
+        d_predicted = None if known is None else d_cached
+        return Route(p, chosen, predicted, feedback, decode_cached_tokens=d_predicted)
 
     def _best(self, workers: Sequence[W], cached: dict[Worker[Any], Cached], n: int) -> W:
         """The best-scoring worker; ties go to the first from this role's turn on. The turn

@@ -86,6 +86,8 @@ async def test_an_ok_request_is_one_line_with_its_workers_tokens_and_phases(
     assert len(line["internal_id"]) == 32 and line["internal_id"] != "edge-1"
     assert line["endpoint"] == "completions" and line["outcome"] == "ok"
     assert line["path"] == "disaggregated"
+    assert line["split"] == "prefill_worker:static"  # disagg_policy's default
+    assert "predicted_ttft_s" not in line  # the static policy predicts nothing
     assert line["prefill_worker"] == "fake-role_prefill"
     assert line["decode_worker"] == "fake-role_decode"
     assert line["prompt_tokens"] == len(tokenizer().encode_text(prompt)) == usage["prompt_tokens"]
