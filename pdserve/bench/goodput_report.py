@@ -207,6 +207,7 @@ def plot(
         ax.set(title=f"rate {rate_key(rate)} req/s", xlabel="SLO scale", xscale="log",
                ylabel="goodput (req/s)")  # fmt: skip
         ax.set_xticks(scales, [scale_key(s) for s in scales])
+        ax.minorticks_off()  # the log axis's own labels would overprint the scales
     paths.append(_save(fig, axes[0][-1], out_dir / "goodput_vs_slo_scale.png"))
     return paths
 
@@ -216,6 +217,7 @@ def _save(fig: Any, legend_ax: Any, path: Path) -> Path:
 
     for ax in fig.axes:
         ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
     legend_ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
