@@ -27,10 +27,13 @@ from typing import Any
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "mixed")
 SYSTEMS = ("pdserve", "vllm")
 # pdserve counters worth seeing next to the latencies (lines of the gateway's /metrics), the
-# time per phase (queue, prefill, transfer, decode) summed over finished requests, and each
-# worker's engine steps and core lending (from its heartbeat: a few seconds late).
+# time per phase (queue, prefill, transfer, decode) summed over finished requests, where the
+# disaggregation policy computed each prompt and why, the SLO met or missed by the gateway's
+# own clock, and each worker's engine steps and core lending (from its heartbeat: a few
+# seconds late).
 COUNTERS = re.compile(
-    r"^pdserve_gateway_((local_fallbacks|requests|kv_transfer_bytes|rejected)_total"
+    r"^pdserve_gateway_((local_fallbacks|requests|kv_transfer_bytes|rejected|split_decisions"
+    r"|slo_requests)_total"
     r"|phase_seconds_(sum|count)"
     r"|worker_(engine_steps|cpu_(lent_steps|lend_wait_seconds|lend_reclaims)_total))"
 )

@@ -225,3 +225,10 @@ def test_rounds_give_medians_failures_summed_and_ratios_of_the_medians() -> None
     assert table.splitlines()[0].endswith("| pdserve/vllm | pdserve/pdserve-static |")
     assert table.splitlines()[2].endswith("| x2.00 | - |")  # 0.6 / 0.3; static's goodput is 0
     assert math.isnan(report.ratio(1.0, 0.0))
+
+
+def test_the_policys_decisions_and_the_gateways_slo_counts_are_kept_per_run() -> None:
+    lines = ['pdserve_gateway_split_decisions_total{reason="static",where="prefill_worker"} 6.0',
+             'pdserve_gateway_slo_requests_total{objective="all",outcome="met"} 3.0']  # fmt: skip
+    assert all(bench_systems.COUNTERS.match(line) for line in lines)
+    assert not bench_systems.COUNTERS.match("pdserve_gateway_split_decisions_created 1.7e9")
