@@ -134,7 +134,7 @@ class GatewayMetrics:
             "Where a prompt the picker gave a prefill worker is computed (disagg_policy; "
             "gateway.routing.split): where (prefill_worker, decode_worker) and why (static; "
             "adaptive: learning, prefill_sooner, decode_idle, prefill_in_time, within_tpot, "
-            "rescue, tpot_guard, streams_unguarded).",
+            "tpot_guard, streams_unguarded).",
             ["where", "reason"],
             registry=r,
         )

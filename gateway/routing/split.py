@@ -18,10 +18,8 @@ the streams it decodes no objective: it decodes none, or the prefill worker woul
 request's time to first token objective (the request's, else ``slo_ttft_ms``; none: always)
 and each stream, stalled once by ``stall`` (vLLM's chunked prefill runs the prompt between
 their steps), still meets the time per output token objective (the request's, else
-``slo_tpot_ms``), with its tokens taken as the measured mean answer length; or (``rescue``)
-its streams miss their TPOT objective already (its measured step is longer) and it meets the
-TTFT objective the prefill worker would miss: no objective still met is lost, one is won.
-Without a TPOT objective, streams are never stalled. Until the
+``slo_tpot_ms``), with its tokens taken as the measured mean answer length. Without a TPOT
+objective, streams are never stalled. Until the
 prefill worker's rate is measured, and until the decode worker has streamed a step where
 streams are at stake, it chooses the prefill worker; the decode worker's local rate starts
 as the prefill worker's. On two cores the local path gains most: a decode worker computing
@@ -81,10 +79,6 @@ def predict(
         return split(PREFILL_WORKER, "learning")
     if steps.step_s + stall / steps.answer_tokens <= slo.tpot_s:
         return split(DECODE_WORKER, "within_tpot")
-    if steps.step_s > slo.tpot_s and slo.ttft_s is not None and ttft_d <= slo.ttft_s:
-        # Its streams miss their TPOT already, the prefill worker would miss this TTFT: the
-        # stall costs no objective that is still met, the decode worker meets one more.
-        return split(DECODE_WORKER, "rescue")
     return split(PREFILL_WORKER, "tpot_guard")
 
 

@@ -17,7 +17,7 @@ BODY = {"prompt": "Tell me a story about a cat.", "max_tokens": 4}
 SPLIT = "pdserve_gateway_split_decisions_total"
 BURST = 6
 REASONS = {
-    "decode_worker": ("decode_idle", "within_tpot", "rescue"),
+    "decode_worker": ("decode_idle", "within_tpot"),
     "prefill_worker": (
         "static",
         "learning",
