@@ -133,8 +133,8 @@ class GatewayMetrics:
             "pdserve_gateway_split_decisions",
             "Where a prompt the picker gave a prefill worker is computed (disagg_policy; "
             "gateway.routing.split): where (prefill_worker, decode_worker) and why (static; "
-            "adaptive: learning, prefill_sooner, decode_idle, prefill_in_time, within_tpot, "
-            "tpot_guard, streams_unguarded).",
+            "adaptive: learning, prefill_sooner, decode_idle, within_tpot, tpot_guard, "
+            "streams_unguarded).",
             ["where", "reason"],
             registry=r,
         )

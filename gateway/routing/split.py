@@ -14,12 +14,10 @@ computed per second; ``Worker.steps``: decode step, hand-off, answer length)::
     stall        = the tokens D must compute / D's local rate
 
 and computes the prompt on the decode worker when that gives the first token sooner and costs
-the streams it decodes no objective: it decodes none, or the prefill worker would miss the
-request's time to first token objective (the request's, else ``slo_ttft_ms``; none: always)
-and each stream, stalled once by ``stall`` (vLLM's chunked prefill runs the prompt between
-their steps), still meets the time per output token objective (the request's, else
-``slo_tpot_ms``), with its tokens taken as the measured mean answer length. Without a TPOT
-objective, streams are never stalled. Until the
+the streams it decodes no objective: it decodes none, or each of them, stalled once by
+``stall`` (vLLM's chunked prefill runs the prompt between their steps), still meets the time
+per output token objective (the request's, else ``slo_tpot_ms``), with its tokens taken as the
+measured mean answer length. Without a TPOT objective, streams are never stalled. Until the
 prefill worker's rate is measured, and until the decode worker has streamed a step where
 streams are at stake, it chooses the prefill worker; the decode worker's local rate starts
 as the prefill worker's. On two cores the local path gains most: a decode worker computing
@@ -73,8 +71,6 @@ def predict(
         return split(DECODE_WORKER, "decode_idle")
     if slo.tpot_s is None:
         return split(PREFILL_WORKER, "streams_unguarded")
-    if slo.ttft_s is not None and ttft_p <= slo.ttft_s:
-        return split(PREFILL_WORKER, "prefill_in_time")  # no stream need wait for it
     if steps.step_s <= 0 or steps.answer_tokens <= 0:
         return split(PREFILL_WORKER, "learning")
     if steps.step_s + stall / steps.answer_tokens <= slo.tpot_s:

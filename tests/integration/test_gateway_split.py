@@ -18,14 +18,7 @@ SPLIT = "pdserve_gateway_split_decisions_total"
 BURST = 6
 REASONS = {
     "decode_worker": ("decode_idle", "within_tpot"),
-    "prefill_worker": (
-        "static",
-        "learning",
-        "prefill_sooner",
-        "prefill_in_time",
-        "streams_unguarded",
-        "tpot_guard",
-    ),
+    "prefill_worker": ("static", "learning", "prefill_sooner", "streams_unguarded", "tpot_guard"),
 }
 
 

@@ -63,18 +63,6 @@ def test_streams_that_would_miss_their_tpot_keep_the_prefill_worker() -> None:
     assert (split.where, split.reason) == (PREFILL_WORKER, "streams_unguarded")
 
 
-def test_streams_are_not_stalled_for_a_prompt_the_prefill_worker_computes_in_time() -> None:
-    # 2.5 s via P, 0.5 s on D: a 3 s objective is met either way, a 2 s one only on D.
-    p, d = workers(p_queued=2000, streams=3)
-    split = predict(p, d, 500, 500, Slo(ttft_s=3.0, tpot_s=0.1))
-    assert (split.where, split.reason) == (PREFILL_WORKER, "prefill_in_time")
-    split = predict(p, d, 500, 500, Slo(ttft_s=2.0, tpot_s=0.1))
-    assert (split.where, split.reason) == (DECODE_WORKER, "within_tpot")
-    # An idle decode worker stalls nobody: it computes the prompt sooner whatever the objective.
-    split = predict(*workers(p_queued=2000), 500, 500, Slo(ttft_s=3.0, tpot_s=0.1))
-    assert (split.where, split.reason) == (DECODE_WORKER, "decode_idle")
-
-
 def test_nothing_measured_yet_keeps_the_prefill_worker() -> None:
     split = predict(*workers(p_rate=0.0), 500, 500, NO_SLO)
     assert (split.where, split.reason, split.predicted_ttft_s) == (PREFILL_WORKER, "learning", None)
