@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.report import Slo, percentile
+from pdserve.bench.report import Slo, median, percentile
 
 SUMMARY_KEYS = ("ttft", "tpot", "itl")
 
@@ -83,14 +83,6 @@ def summarize_run(raw: dict[str, Any], slo: Slo, scales: list[float]) -> dict[st
         for q in (50, 99):
             row[f"{name}_p{q}_ms"] = percentile(series[name], q) * 1000.0
     return row
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(v for v in values if not math.isnan(v))
-    if not ordered:
-        return math.nan
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def median_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:

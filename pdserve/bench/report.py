@@ -150,7 +150,7 @@ def median_ratios(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         entries = [r for ratios in rounds for r in ratios if r["workload"] == workload]
         keys = [k for k in entries[0] if k != "workload"]
         per_round = {k: [e[k] for e in entries] for k in keys}
-        out.append({"workload": workload, **{k: _median(v) for k, v in per_round.items()},
+        out.append({"workload": workload, **{k: median(v) for k, v in per_round.items()},
                     "per_round": per_round})  # fmt: skip
     return out
 
@@ -166,7 +166,8 @@ def times_text(ratios: dict[str, Any]) -> Callable[[str], str]:
     return text
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """The median of the values that are numbers (NaN: none)."""
     ordered = sorted(v for v in values if not math.isnan(v))
     if not ordered:
         return math.nan
