@@ -32,14 +32,22 @@ that name is an internal process. Which worker answers is checked by the tokens'
 the worker id (``pdserve.rpc.auth``), not by TLS. Certificates from ``pdserve.rpc.ca`` also
 carry the process's own name, so a deployment that wants per-host names can still see them.
 
-Certificates are read once, at start: a rotated Secret takes effect when the process restarts
-(on Kubernetes, roll the Deployments after cert-manager renews).
+**Rotation.** A worker's server reads its directory again at the first handshake after one of
+its files changed (``ServerIdentityReload``, grpc's dynamic server credentials): a certificate
+renewed in place (cert-manager updating the mounted Secret) serves new connections without
+restarting the worker, whose engine and KV cache would be lost with it. A set that is not whole
+yet (a key that does not match the certificate, a file half written) is not taken: the last good
+identity goes on serving and the next change is tried again. Clients read their identity when
+they start (the gateway is restarted cheaply; its connections made before stay valid while the
+old certificate is).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +60,8 @@ CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
 # The name every internal server's certificate carries and every internal client checks.
 SERVER_NAME = "pdserve-internal"
 CHANNEL_OPTIONS = (("grpc.ssl_target_name_override", SERVER_NAME),)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,15 +76,28 @@ class TlsIdentity:
     directory: str = ""
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """TLS for a worker's server: clients must present a certificate of ``ca``."""
+        """TLS for a worker's server: clients must present a certificate of ``ca``. An identity
+        read from a directory is read again when its files change (``ServerIdentityReload``)."""
+        self.check_server_name()
+        if not self.directory:
+            return grpc.ssl_server_credentials(
+                [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+            )
+        return grpc.dynamic_ssl_server_credentials(
+            self.server_configuration(), ServerIdentityReload(self), True
+        )
+
+    def server_configuration(self) -> Any:
+        return grpc.ssl_server_certificate_configuration(
+            [(self.key, self.cert)], root_certificates=self.ca
+        )
+
+    def check_server_name(self) -> None:
         if SERVER_NAME not in self.names:
             raise ValueError(
                 f"{self.directory}/{CERT_FILE} does not name {SERVER_NAME!r}, the name every "
                 f"internal client checks: issue it with that DNS name (docs/deploy.md)"
             )
-        return grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
-        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """TLS for a client: trusts only ``ca``, presents this certificate."""
@@ -83,7 +106,7 @@ class TlsIdentity:
 
 def load(directory: str | Path) -> TlsIdentity:
     """The identity in ``directory``; ValueError naming the file when one is missing or is
-    not PEM of its kind."""
+    not PEM of its kind, or when the key is not the certificate's."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
@@ -97,16 +120,59 @@ def load(directory: str | Path) -> TlsIdentity:
     try:
         x509.load_pem_x509_certificates(data[CA_FILE])
         cert = x509.load_pem_x509_certificates(data[CERT_FILE])[0]
-        serialization.load_pem_private_key(data[KEY_FILE], password=None)
+        key = serialization.load_pem_private_key(data[KEY_FILE], password=None)
     except ValueError as exc:
         raise ValueError(f"{TLS_DIR_ENV}: {base} holds no valid PEM {CA_FILE}, "
                          f"{CERT_FILE} and unencrypted {KEY_FILE}: {exc}") from exc  # fmt: skip
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        # A set caught half rewritten (the certificate renewed, the key not yet), or a wrong key.
+        raise ValueError(f"{TLS_DIR_ENV}: {base / KEY_FILE} is not the key of {base / CERT_FILE}")
     try:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         names = tuple(sans.get_values_for_type(x509.DNSName))
     except x509.ExtensionNotFound:
         names = ()
     return TlsIdentity(data[CA_FILE], data[CERT_FILE], data[KEY_FILE], names, str(base))
+
+
+def _stamp(directory: str) -> tuple[tuple[int, int, int], ...] | None:
+    """What changes when a file of the identity is replaced or rewritten (a Secret volume swaps
+    a symlink; a rewrite changes the size or time); None while one cannot be read."""
+    try:
+        stats = [os.stat(Path(directory) / name) for name in (CA_FILE, CERT_FILE, KEY_FILE)]
+    except OSError:
+        return None
+    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
+
+
+class ServerIdentityReload:
+    """grpc's certificate-configuration fetcher for a server's identity: called by grpc at
+    the start of each TLS handshake, it returns the directory's identity when its files
+    changed and form a whole, valid set again, else None (keep serving the current one)."""
+
+    def __init__(self, identity: TlsIdentity) -> None:
+        self.identity = identity
+        self.stamp = _stamp(identity.directory)
+        self.lock = threading.Lock()  # grpc may call from several of its threads
+
+    def __call__(self) -> Any:
+        stamp = _stamp(self.identity.directory)
+        with self.lock:
+            if stamp is None or stamp == self.stamp:
+                return None
+            self.stamp = stamp
+            try:
+                fresh = load(self.identity.directory)
+                fresh.check_server_name()
+            except ValueError as exc:
+                log.warning("TLS: the changed identity in %s is not taken (the current one "
+                            "serves on): %s", self.identity.directory, exc)  # fmt: skip
+                return None
+            self.identity = fresh
+        log.info("TLS: new connections are served with the identity read again from %s",
+                 fresh.directory)  # fmt: skip
+        return fresh.server_configuration()
 
 
 def tls_dir() -> str:

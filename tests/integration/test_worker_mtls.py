@@ -99,8 +99,14 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture
 def worker(tmp_path: Path, certs: dict[str, Path]) -> Iterator[Worker]:
+    yield from serve(tmp_path, certs["worker"], certs["gateway"])
+
+
+def serve(tmp_path: Path, worker_tls: Path, gateway_tls: Path) -> Iterator[Worker]:
+    """The worker process with the identity in ``worker_tls``; its ``identity`` is
+    ``gateway_tls``'s."""
     path = write_new(tmp_path / "secret")
-    env = {**os.environ, SECRET_FILE_ENV: str(path), rpc_tls.TLS_DIR_ENV: str(certs["worker"])}
+    env = {**os.environ, SECRET_FILE_ENV: str(path), rpc_tls.TLS_DIR_ENV: str(worker_tls)}
     process = subprocess.Popen(
         [sys.executable, "-c", SERVER], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -110,7 +116,7 @@ def worker(tmp_path: Path, certs: dict[str, Path]) -> Iterator[Worker]:
         assert line.strip().isdigit(), f"the worker did not start (exit {process.poll()})"
         secret = load_secret(path)
         assert secret is not None
-        found = Worker(int(line), secret, rpc_tls.load(certs["gateway"]))
+        found = Worker(int(line), secret, rpc_tls.load(gateway_tls))
         stdout = process.stdout
 
         def read() -> None:
@@ -213,3 +219,46 @@ def test_a_server_certificate_without_the_internal_name_is_refused(tmp_path: Pat
     # As one issued by other means for its host name only would read.
     with pytest.raises(ValueError, match=rpc_tls.SERVER_NAME):
         replace(identity, names=("prefill-0",)).server_credentials()
+
+
+def _copy_identity(source: Path, target: Path, files: tuple[str, ...] = ()) -> None:
+    """Rewrite ``target``'s files (all, or ``files``) with ``source``'s, in place, as a renewal
+    does."""
+    for name in files or (rpc_tls.CA_FILE, rpc_tls.CERT_FILE, rpc_tls.KEY_FILE):
+        (target / name).write_bytes((source / name).read_bytes())
+
+
+async def _health_with(worker: Worker, identity: rpc_tls.TlsIdentity) -> int:
+    """Health through a new connection of its own (no subchannel shared with earlier ones)."""
+    options = [*rpc_tls.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    credentials = identity.channel_credentials()
+    async with grpc.aio.secure_channel(worker.address, credentials, options=options) as channel:
+        return await health(channel)
+
+
+async def test_a_renewed_identity_serves_new_connections_without_a_restart(tmp_path: Path) -> None:
+    """The worker's identity files rewritten in place (a Secret renewed by cert-manager, here
+    with a new CA so that the old and new identities cannot be confused) serve the next
+    handshake; a set caught half written is not taken, the last whole one serves on."""
+    old = write_set(tmp_path / "old", ["prefill-0", "gateway"])
+    new = write_set(tmp_path / "new", ["prefill-0", "gateway"])
+    live = tmp_path / "live"
+    live.mkdir()
+    _copy_identity(old["prefill-0"], live)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for worker in serve(tmp_path, live, old["gateway"]):
+        assert await _health_with(worker, rpc_tls.load(old["gateway"])) == serving
+        _copy_identity(new["prefill-0"], live)
+        renewed = rpc_tls.load(new["gateway"])
+        assert await _health_with(worker, renewed) == serving
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _health_with(worker, rpc_tls.load(old["gateway"]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Half a renewal: a certificate of the old CA beside the new key. Not taken.
+        _copy_identity(old["prefill-0"], live, (rpc_tls.CERT_FILE,))
+        with pytest.raises(ValueError, match="is not the key of"):
+            rpc_tls.load(live)
+        assert await _health_with(worker, renewed) == serving
+        # The rest of it (the old CA and key): taken at the next handshake.
+        _copy_identity(old["prefill-0"], live)
+        assert await _health_with(worker, rpc_tls.load(old["gateway"])) == serving
