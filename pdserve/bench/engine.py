@@ -176,7 +176,7 @@ async def _worker_rates(role: str, address: str, args: argparse.Namespace) -> di
 
 
 async def _wait_serving(address: str, process: subprocess.Popen[bytes]) -> None:
-    from pdserve.cluster.up import grpc_serving
+    from pdserve.cluster.ready import grpc_serving
 
     check = grpc_serving(address)
     deadline = time.monotonic() + 900

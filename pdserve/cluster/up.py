@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import shlex
 import socket
 import sys
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings
 
@@ -32,6 +28,7 @@ from pdserve import settings as shared
 from pdserve.cluster import gpu as up_gpu
 from pdserve.cluster import tier as up_tier
 from pdserve.cluster.backoff import Backoff
+from pdserve.cluster.ready import client_host, grpc_serving, http_ok
 from pdserve.cluster.redis_server import (
     USER,
     RedisServerError,
@@ -46,7 +43,6 @@ from pdserve.cluster.redis_server import (
 from pdserve.cluster.supervisor import (
     ChildExitPolicy,
     ChildSpec,
-    ReadyCheck,
     Supervisor,
     SupervisorOptions,
 )
@@ -63,7 +59,6 @@ from pdserve.rpc import tls as rpc_tls
 from pdserve.rpc.secret import SECRET_FILE_ENV, secret_file, write_new
 from pdserve.worker.core_lending import CoreTable
 
-PROBE_RPC_TIMEOUT_S = 1.5
 # Children print as they go, so that a log tail shows the last thing that happened.
 CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
 # The default model names red, blue and yellow in float32 and in bfloat16 (asked for the
@@ -182,54 +177,6 @@ class UpSettings(BaseSettings):
         if problem:
             raise ValueError(problem)
         return self
-
-
-def grpc_serving(address: str, tls: rpc_tls.TlsIdentity | None = None) -> ReadyCheck:
-    """Ready once grpc.health.v1 ``Check(service="")`` answers SERVING (over mutual TLS with
-    ``tls``)."""
-
-    async def check() -> bool:
-        # The worker is on this machine: never go through an http_proxy from the environment.
-        options = [("grpc.enable_http_proxy", 0)]
-        async with rpc_tls.aio_channel(address, options, tls) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            request = health_pb2.HealthCheckRequest(service="")
-            try:
-                reply = await stub.Check(request, timeout=PROBE_RPC_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-    return check
-
-
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def http_ok(url: str, expect: dict[str, int] | None = None) -> ReadyCheck:
-    """Ready once ``GET url`` answers 200 (and its JSON body has at least ``expect``)."""
-
-    def get() -> bool:
-        try:
-            with _NO_PROXY_OPENER.open(url, timeout=PROBE_RPC_TIMEOUT_S) as reply:
-                if reply.status != 200:
-                    return False
-                body = json.loads(reply.read() or b"{}") if expect else {}
-        except (OSError, http.client.HTTPException, ValueError):  # refused, reset, bad body
-            return False
-        return all(int(body.get(key, 0)) >= n for key, n in (expect or {}).items())
-
-    async def check() -> bool:
-        return await asyncio.to_thread(get)
-
-    return check
-
-
-def client_host(host: str) -> str:
-    """The address a local client uses for a server listening on ``host``."""
-    if host in ("", "0.0.0.0", "::"):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
 
 
 def served_model_name(model: str) -> str:

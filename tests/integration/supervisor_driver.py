@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from pdserve.cluster.backoff import Backoff
+from pdserve.cluster.ready import http_ok
 from pdserve.cluster.supervisor import ChildExitPolicy, ChildSpec, Supervisor, SupervisorOptions
-from pdserve.cluster.up import http_ok
 
 READY_LINE = "DRIVER: ALL READY"
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.cluster.up import grpc_serving, http_ok
+from pdserve.cluster.ready import grpc_serving, http_ok
 from pdserve.rpc import tls as rpc_tls
 from pdserve.rpc.ca import write_set
 from pdserve.rpc.server import GrpcServer
