@@ -76,7 +76,7 @@ up: model
 
 test: model deploy-tools
 	$(MAKE) --no-print-directory check-protos lint typecheck
-	$(BIN)/python -m pytest -ra tests
+	$(BIN)/python -m pytest -ra --durations=25 tests
 
 deploy-tools: $(DEPLOY_STAMP)
 

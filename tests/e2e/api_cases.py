@@ -1,5 +1,5 @@
 """The API-surface cases: the requests tests/e2e/test_api_surface.py sends to the cluster and
-tests/e2e/api_reference.py to one monolithic engine (the ``api_reference`` fixture)."""
+tests/e2e/reference.py to one monolithic engine (the ``api_reference`` fixture)."""
 
 from __future__ import annotations
 

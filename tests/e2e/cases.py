@@ -86,9 +86,9 @@ FILL_PROMPT_TOKENS = 1800  # 15 blocks (17 with the answer): two fit in a 40-blo
 
 
 def fill_cases() -> list[dict[str, Any]]:
-    """Six long prompts that share no block (fixed random token ids) and long answers: sent
-    together to a decode worker whose KV cache holds 40 blocks, most of them must wait for
-    blocks (tests/e2e/test_core_lending.py)."""
+    """Four long prompts that share no block (fixed random token ids) and long answers: sent
+    together to a decode worker whose KV cache holds 40 blocks (two of them), the others must
+    wait for blocks (tests/e2e/test_core_lending.py)."""
     import random
 
     rng = random.Random(4040)
@@ -98,5 +98,5 @@ def fill_cases() -> list[dict[str, Any]]:
             "max_tokens": 256,  # long enough that the next requests arrive meanwhile
             "token_ids": [rng.randrange(1000, 30000) for _ in range(FILL_PROMPT_TOKENS)],
         }
-        for i in range(6)
+        for i in range(4)
     ]

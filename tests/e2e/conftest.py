@@ -51,32 +51,31 @@ def e2e_cases() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def reference(
+def references(
     e2e_cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
-    """Greedy outputs of one monolithic engine, computed before the cluster starts."""
-    everything = [*e2e_cases, *tier_cases(), *fill_cases()]
-    return run_reference("reference.py", everything, tmp_path_factory, STARTUP_TIMEOUT_S)
-
-
-def run_reference(
-    script: str, cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory,
-    timeout_s: float,
-) -> dict[str, Any]:  # fmt: skip
-    """Run a reference script of this folder (one monolithic engine, the e2e DTYPE) on
-    ``cases``; returns its output JSON."""
-    tmp = tmp_path_factory.mktemp(Path(script).stem)
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    argv = [sys.executable, str(Path(__file__).with_name(script)), model_dir(),
+    """Both monolithic references of tests/e2e/reference.py, computed by one engine before the
+    cluster starts: ``greedy`` (the e2e, tier and fill cases) and ``api`` (the API-surface
+    cases of tests/e2e/api_cases.py)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    everything = {"greedy": [*e2e_cases, *tier_cases(), *fill_cases()], "api": API_CASES}
+    (tmp / "cases.json").write_text(json.dumps(everything))
+    argv = [sys.executable, str(Path(__file__).with_name("reference.py")), model_dir(),
             str(tmp / "cases.json"), str(tmp / "out.json"), DTYPE]  # fmt: skip
-    subprocess.run(argv, check=True, timeout=timeout_s)
+    subprocess.run(argv, check=True, timeout=STARTUP_TIMEOUT_S)
     return dict(json.loads((tmp / "out.json").read_text()))
 
 
 @pytest.fixture(scope="session")
-def api_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def reference(references: dict[str, Any]) -> dict[str, Any]:
+    """Greedy outputs of one monolithic engine for the e2e, tier and fill cases."""
+    return dict(references["greedy"])
+
+
+@pytest.fixture(scope="session")
+def api_reference(references: dict[str, Any]) -> dict[str, Any]:
     """The API-surface cases (tests/e2e/api_cases.py) on one monolithic engine."""
-    return run_reference("api_reference.py", API_CASES, tmp_path_factory, 600)
+    return dict(references["api"])
 
 
 @pytest.fixture(scope="session")

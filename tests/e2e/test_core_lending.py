@@ -79,7 +79,7 @@ async def test_steps_on_lent_cores_stay_token_identical(
 async def test_a_full_decode_kv_cache_makes_requests_wait_not_fail(
     lending_cluster: RealCluster, reference: dict[str, Any]
 ) -> None:
-    """Six requests of 15-17 blocks each sent together to a decode worker whose cache holds 40:
+    """Four requests of 15-17 blocks each sent together to a decode worker whose cache holds 40:
     the decode engine runs two at a time and the others wait for blocks, their hand-offs kept
     pinned (and leased) on the prefill worker. Every request completes token-identical to a
     monolithic engine with its KV pulled (the decode engine computed only the last prompt
