@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -99,9 +100,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture
 def worker(tmp_path: Path, certs: dict[str, Path]) -> Iterator[Worker]:
-    yield from serve(tmp_path, certs["worker"], certs["gateway"])
+    with serve(tmp_path, certs["worker"], certs["gateway"]) as found:
+        yield found
 
 
+@contextlib.contextmanager
 def serve(tmp_path: Path, worker_tls: Path, gateway_tls: Path) -> Iterator[Worker]:
     """The worker process with the identity in ``worker_tls``; its ``identity`` is
     ``gateway_tls``'s."""
@@ -246,7 +249,7 @@ async def test_a_renewed_identity_serves_new_connections_without_a_restart(tmp_p
     live.mkdir()
     _copy_identity(old["prefill-0"], live)
     serving = health_pb2.HealthCheckResponse.SERVING
-    for worker in serve(tmp_path, live, old["gateway"]):
+    with serve(tmp_path, live, old["gateway"]) as worker:
         assert await _health_with(worker, rpc_tls.load(old["gateway"])) == serving
         _copy_identity(new["prefill-0"], live)
         renewed = rpc_tls.load(new["gateway"])
