@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {key}: worker / bare vLLM of its role = {ratio:.3f}"
               + (f" (median of {each})" if len(rounds) > 1 else ""))  # fmt: skip
     results = {name: _medians([one["results"][name] for one in rounds]) for name in engines}
-    splits = _splits(_bare_rates(results), args)
+    splits = _splits(results, args)
     report = {"machine": info, "cores": args.cores, "results": results, "ratios": ratios,
               "splits": splits, "rounds": rounds}  # fmt: skip
     if args.json:
@@ -279,37 +279,22 @@ def _engines(listed: str) -> list[str]:
     return list(dict.fromkeys(expanded))
 
 
-def _bare_rates(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The bare engine's rates for the split: prefill from the prefill role's engine and
-    decode from the decode role's, each from the other when only one ran."""
-    prefill = results.get("vllm_prefill") or results.get("vllm_decode") or {}
-    decode = results.get("vllm_decode") or prefill
-    rates = {}
-    if "prefill_tokens_per_s" in prefill:
-        rates["prefill_tokens_per_s"] = prefill["prefill_tokens_per_s"]
-    if "decode_tokens_per_s" in decode:
-        rates["decode_tokens_per_s"] = decode["decode_tokens_per_s"]
-    return rates
-
-
-def _splits(bare: dict[str, float], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """From the bare engine's rates on ``--cores``: the best prefill/decode split of larger
-    machines for a 512-in/64-out workload (pdserve.placement.topology; one core per measured
-    rate)."""
-    if "prefill_tokens_per_s" not in bare or "decode_tokens_per_s" not in bare:
+def _splits(results: dict[str, dict[str, float]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """From the bare engines' rates on ``--cores`` (``topology.rates_from_report``, the report
+    ``pdserve up --split-rates`` reads): the best prefill/decode split of larger machines for a
+    512-in/64-out workload (pdserve.placement.topology; one core per measured rate)."""
+    try:
+        rates = topology.rates_from_report({"cores": args.cores, "results": results}, "this run")
+    except ValueError:
         return []
-    per_core = sum(
-        int(b) - int(a) + 1 if b else 1
-        for a, _, b in (part.partition("-") for part in args.cores.split(","))
-    )
     rows = []
     print(
         f"  best split for 512 in / 64 out at decode batch {args.batch} "
-        "(pdserve.placement.topology):"
+        "(pdserve.placement.topology; pdserve up --split-rates <this --json report>):"
     )
     for cores in (2, 4, 8, 16, 32):
-        split = topology.best_split(cores, 512, 64, bare["prefill_tokens_per_s"] / per_core,
-                                    bare["decode_tokens_per_s"])  # fmt: skip
+        split = topology.best_split(cores, 512, 64, rates.prefill_tokens_per_s,
+                                    rates.decode_tokens_per_s)  # fmt: skip
         rows.append({"cores": cores, **split.__dict__})
         print(f"    {cores:>2} cores: {split.prefill_cores} prefill + {split.decode_engines} "
               f"decode, {split.requests_per_s:.2f} req/s ({split.bound}-bound)")  # fmt: skip

@@ -19,10 +19,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings
+from pydantic import ValidationError
 
 from pdserve import settings as shared
 from pdserve.cluster import gpu as up_gpu
@@ -46,7 +44,8 @@ from pdserve.cluster.supervisor import (
     Supervisor,
     SupervisorOptions,
 )
-from pdserve.placement import front_cores
+from pdserve.cluster.up_settings import UpSettings
+from pdserve.placement import front_cores, machine, topology
 from pdserve.placement.engines import (
     Placement,
     gpus_to_use,
@@ -64,119 +63,6 @@ CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
 # The default model names red, blue and yellow in float32 and in bfloat16 (asked for the
 # capital of France, it answers with a French phrase in bfloat16, as plain vLLM does).
 QUESTION = "Name three primary colors."
-
-
-class UpSettings(BaseSettings):
-    model_config = shared.base_config("PDSERVE_UP_")
-
-    prefill: int = Field(1, ge=0, description="prefill workers (0: decode workers do prompts)")
-    decode: int = Field(1, ge=1, description="decode workers")
-    model: str = Field("", description="model directory (empty: the prepared default model)")
-    generation_config: str = Field(
-        "auto",
-        description="the gateway's sampling defaults, as vLLM's flag: auto (the model's "
-        "generation_config.json), vllm (none) or a directory holding one",
-    )
-    tool_call_parser: str = Field(
-        "", description="the gateway's vLLM tool-call parser, e.g. hermes (empty: none)"
-    )
-    enable_auto_tool_choice: bool = Field(
-        False, description="the gateway serves tool_choice auto (needs tool_call_parser)"
-    )
-    reasoning_parser: str = Field(
-        "", description="the gateway's vLLM reasoning parser, e.g. qwen3 (empty: none)"
-    )
-    enable_tokenizer_info_endpoint: bool = Field(
-        False, description="the gateway serves GET /tokenizer_info (as vLLM's flag)"
-    )
-    host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
-    http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")
-    grpc_port: int = Field(shared.GATEWAY_GRPC_PORT, description="gateway gRPC port")
-    prefill_port: int = Field(shared.PREFILL_GRPC_PORT, description="gRPC port of prefill-0 (+i)")
-    decode_port: int = Field(shared.DECODE_GRPC_PORT, description="gRPC port of decode-0 (+i)")
-    kv_port: int = Field(shared.PREFILL_KV_PORT, description="KV port of prefill-0 (+i)")
-    kv_connector: up_gpu.ConnectorChoice = Field(
-        "auto",
-        description="KV connector of every worker: auto (nixl when GPUs are found, else "
-        "pdserve), pdserve (TCP, CPU KV caches only) or nixl (vLLM's NixlConnector)",
-    )
-    gpus: str = Field(
-        "", description="GPUs the engines use, e.g. '0' or '0,1' (default: every GPU found)"
-    )
-    nixl_port: int = Field(
-        up_gpu.DEFAULT_NIXL_PORT,
-        ge=1,
-        description="nixl: NIXL side-channel port of prefill-0; every worker takes the next "
-        "(prefill workers first, then decode workers)",
-    )
-    redis_url: str = Field(
-        "", description="Redis for discovery and the prefix index (empty: a private redis-server)"
-    )
-    prefill_engine_args: str = Field(
-        "", description="vLLM engine arguments of prefill workers (--prefill-engine-args='--x 1')"
-    )
-    decode_engine_args: str = Field("", description="vLLM engine arguments of decode workers")
-    kv_tier: up_tier.TierKind = Field(
-        "off",
-        description="second KV tier (LMCache) of every worker (docs/kv-tier.md): off; cpu or "
-        "disk (each worker its own); redis, fs or lm (shared by all workers)",
-    )
-    kv_tier_url: str = Field(
-        "",
-        description="where the tier lives: redis://host:port/db (redis without it: a private "
-        "redis-server with --kv-tier-redis-gib), a directory (fs; disk: one subdirectory per "
-        "worker), lm://host:port",
-    )
-    kv_tier_cpu_gib: float = Field(
-        1.0, gt=0, description="GiB of CPU memory each worker's LMCache keeps as its first level"
-    )
-    kv_tier_redis_gib: float = Field(
-        2.0,
-        gt=0,
-        description="maxmemory of the private tier redis-server (least recently used chunks "
-        "are evicted beyond it)",
-    )
-    cpu_lending: bool = Field(
-        True,
-        description="CPU, each engine on cores of its own: decode engines also compute on the "
-        "prefill engines' cores while those have nothing to compute (docs/benchmarks.md)",
-    )
-    internal_tls: bool = Field(
-        True,
-        description="mutual TLS between the gateway and the workers, with a private CA and a "
-        "certificate per process made in <log-dir>/tls (or PDSERVE_TLS_DIR's, for all); "
-        "--no-internal-tls: plain text, authenticated by the deployment secret only",
-    )
-    log_dir: str = Field(".pdserve/logs", description="one <process>.log per process")
-    startup_timeout_s: float = Field(
-        600.0, gt=0, description="give up if not all ready by then (a restart: only a warning)"
-    )
-    shutdown_grace_s: float = Field(20.0, ge=0, description="SIGTERM to SIGKILL, per stage")
-    on_child_exit: Literal["restart", "stop-all"] = Field(
-        "restart",
-        description="a process that exits after it was ready: restart it after a backoff, "
-        "or stop everything (one that fails before it was ever ready always stops everything)",
-    )
-    restart_backoff_s: float = Field(
-        1.0, gt=0, description="wait before a restart; doubles with each restart in a row"
-    )
-    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
-    restart_reset_s: float = Field(
-        60.0, ge=0, description="ready this long: the next restart waits --restart-backoff-s again"
-    )
-
-    @model_validator(mode="after")
-    def _backoff_in_order(self) -> UpSettings:
-        if self.restart_backoff_max_s < self.restart_backoff_s:
-            raise ValueError("restart_backoff_max_s must be >= restart_backoff_s")
-        return self
-
-    @model_validator(mode="after")
-    def _kv_tier_works(self) -> UpSettings:
-        problem = up_tier.settings_problem(self.kv_tier, self.kv_tier_url, self.redis_url)
-        if problem:
-            raise ValueError(problem)
-        return self
 
 
 def served_model_name(model: str) -> str:
@@ -263,6 +149,35 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
     return ChildSpec("gateway", argv, CHILD_ENV, health, stop_stage=0)
 
 
+def cores_to_prefill(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> int | None:
+    """How many of ``cores`` the prefill engines share (``--cpu-split phases``:
+    ``topology.prefill_cores``); None where the cores are split evenly (``--cpu-split even``,
+    GPUs, or more engines than cores)."""
+    if s.cpu_split == "even" or gpus or s.prefill + s.decode > len(cores):
+        return None
+    rates = topology.load_rates(s.split_rates, machine.native_bf16())
+    workload = topology.parse_workload(s.split_workload)
+    return topology.prefill_cores(len(cores), s.prefill, s.decode, workload, rates)
+
+
+def engine_placements(
+    s: UpSettings, gpus: Sequence[str], cores: Sequence[int]
+) -> tuple[list[Placement], str | None]:
+    """Every engine's placement, prefill engines first (``place_engines``, the cores split
+    as ``cores_to_prefill`` says), and a sharing warning."""
+    to_prefill = cores_to_prefill(s, gpus, cores)
+    return place_engines(s.prefill + s.decode, gpus, cores, s.prefill, to_prefill)
+
+
+def split_line(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> str:
+    """What ``pdserve up`` prints about the split of the cores ("" where it does not apply)."""
+    to_prefill = cores_to_prefill(s, gpus, cores)
+    if to_prefill is None or not s.prefill:
+        return ""
+    rates = topology.load_rates(s.split_rates, machine.native_bf16())
+    return "pdserve up: " + topology.describe(cores, to_prefill, s.split_workload, rates)
+
+
 def build_specs(
     s: UpSettings,
     gpus: Sequence[str],
@@ -275,7 +190,7 @@ def build_specs(
     ``placement.lend_cores`` allows it; with ``tls``, the workers' readiness probes dial with
     it. Raises ``up_gpu.ConnectorError`` when the requested connector cannot run here."""
     connector = up_gpu.connector_for(s.kv_connector, gpus)
-    placements, warning = place_engines(s.prefill + s.decode, gpus, cores)
+    placements, warning = engine_placements(s, gpus, cores)
     if lending_table:
         placements = lend_cores(placements, s.prefill, lending_table)
     names = [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
@@ -494,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
     os.environ.update(credentials_env(s))
     cores = usable_cores()
+    if split_line(s, gpus, cores):
+        print(split_line(s, gpus, cores), flush=True)
     table = lending_table(s, gpus, cores, log_dir)
     tls_dirs = tls_env(s, log_dir)
     tls = rpc_tls.load(tls_dirs[PROBE_IDENTITY][rpc_tls.TLS_DIR_ENV]) if tls_dirs else None
@@ -515,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
 def lending_table(s: UpSettings, gpus: Sequence[str], cores: Sequence[int], log_dir: Path) -> str:
     """A new core lending table at ``<log_dir>/cpu-lending`` when this cluster's engines lend
     cores (``--cpu-lending``, ``placement.lendable_cores``); its path, or "". Prints which."""
-    placements, _ = place_engines(s.prefill + s.decode, gpus, cores)
+    placements, _ = engine_placements(s, gpus, cores)
     borrow = lendable_cores(placements, s.prefill) if s.cpu_lending else ""
     if not borrow:
         if not gpus:
@@ -534,7 +451,7 @@ def lending_table(s: UpSettings, gpus: Sequence[str], cores: Sequence[int], log_
 def front_cores_env(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> dict[str, str]:
     """The gateway's and the workers' ``FRONT_ENV`` (``pdserve.placement.front_cores``); prints
     where their own threads run when it binds them."""
-    placements, _ = place_engines(s.prefill + s.decode, gpus, cores)
+    placements, _ = engine_placements(s, gpus, cores)
     front = front_cores.front_cores(placements, s.prefill)
     if front:
         print(f"pdserve up: the gateway's and the workers' own threads run on the prefill "

@@ -57,6 +57,8 @@ def assign_cpu_cores(engines: int, cores: Sequence[int]) -> list[str]:
     other (a prefill engine holding blocks for a pull spins on its core, and a decode engine
     pinned there made no progress until the lease ran out), so the OS schedules them."""
     ordered = sorted(cores)
+    if not engines:
+        return []
     if engines > len(ordered):
         return ["nobind"] * engines
     share, extra = divmod(len(ordered), engines)
@@ -92,10 +94,31 @@ def lend_cores(placements: Sequence[Placement], prefill: int, table: str) -> lis
     ]
 
 
+def assign_role_cores(
+    prefill: int, decode: int, cores: Sequence[int], to_prefill: int
+) -> list[str]:
+    """``assign_cpu_cores`` for ``prefill`` prefill engines then ``decode`` decode engines,
+    the first ``to_prefill`` of ``cores`` shared by the prefill engines and the rest by the
+    decode engines (``pdserve.placement.topology.prefill_cores``); as ``assign_cpu_cores``
+    when that leaves an engine without a core of its own."""
+    ordered = sorted(cores)
+    if not prefill <= to_prefill <= len(ordered) - decode:
+        return assign_cpu_cores(prefill + decode, ordered)
+    return assign_cpu_cores(prefill, ordered[:to_prefill]) + assign_cpu_cores(
+        decode, ordered[to_prefill:]
+    )
+
+
 def place_engines(
-    engines: int, gpus: Sequence[str], cores: Sequence[int]
+    engines: int,
+    gpus: Sequence[str],
+    cores: Sequence[int],
+    prefill: int = 0,
+    to_prefill: int | None = None,
 ) -> tuple[list[Placement], str | None]:
-    """A placement per engine (GPUs round-robin if any, else CPU cores) and a warning if shared."""
+    """A placement per engine (GPUs round-robin if any, else CPU cores) and a warning if
+    shared. On CPU cores, with ``to_prefill``: the first ``prefill`` engines share that many
+    cores and the others the rest (``assign_role_cores``); without, every engine gets as many."""
     if gpus:
         chosen = [gpus[i % len(gpus)] for i in range(engines)]
         placements = [
@@ -109,7 +132,11 @@ def place_engines(
             # pinned engine has: vLLM's kernels then compute bit-identically to it (with more
             # threads, a prompt's last token computed alone rounds differently).
             Placement(cpu_cores=c, env={"OMP_NUM_THREADS": "1"} if c == "nobind" else {})
-            for c in assign_cpu_cores(engines, cores)
+            for c in (
+                assign_cpu_cores(engines, cores)
+                if to_prefill is None
+                else assign_role_cores(prefill, engines - prefill, cores, to_prefill)
+            )
         ]
         shared_what = f"{len(cores)} CPU core(s)" if engines > len(cores) else None
     warning = f"warning: {engines} engines share {shared_what}" if shared_what else None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.engine import _bare_rates, _engines, _medians, _ratios, decode_figures
+from pdserve.bench.engine import _engines, _medians, _ratios, decode_figures
+from pdserve.placement.topology import rates_from_report
 
 
 def test_the_bare_engine_runs_once_per_worker_role_listed() -> None:
@@ -23,10 +24,13 @@ def test_the_split_takes_each_rate_from_its_own_role() -> None:
         "vllm_prefill": {"prefill_tokens_per_s": 240.0, "decode_tokens_per_s": 60.0},
         "vllm_decode": {"prefill_tokens_per_s": 230.0, "decode_tokens_per_s": 55.0},
     }
-    assert _bare_rates(results) == {"prefill_tokens_per_s": 240.0, "decode_tokens_per_s": 55.0}
+    rates = rates_from_report({"cores": "0-1", "results": results}, "run")
+    assert (rates.prefill_tokens_per_s, rates.decode_tokens_per_s) == (120.0, 55.0)
     del results["vllm_decode"]
-    assert _bare_rates(results) == {"prefill_tokens_per_s": 240.0, "decode_tokens_per_s": 60.0}
-    assert _bare_rates({}) == {}
+    rates = rates_from_report({"cores": "0", "results": results}, "run")
+    assert (rates.prefill_tokens_per_s, rates.decode_tokens_per_s) == (240.0, 60.0)
+    with pytest.raises(ValueError, match="not a pdserve bench engine"):
+        rates_from_report({"cores": "0", "results": {}}, "run")
 
 
 def test_each_worker_is_compared_with_the_bare_engine_of_its_role() -> None:

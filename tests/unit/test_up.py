@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import socket
 import sys
@@ -19,12 +20,14 @@ from pdserve.cluster.up import (
     UpSettings,
     add_arguments,
     build_specs,
+    engine_placements,
     lending_table,
     ready_banner,
     redis_spec,
     run,
     served_model_name,
     shared_ports,
+    split_line,
     supervisor_options,
 )
 from pdserve.placement.engines import (
@@ -85,6 +88,56 @@ def test_decode_workers_borrow_the_prefill_cores_through_the_table(tmp_path: Pat
     assert prefill.argv[-4:] == ("--cpu-cores", "0", "--cpu-lending", table)
     assert decode0.argv[-6:] == ("--cpu-cores", "1", "--cpu-lending", table, "--cpu-borrow", "0")
     assert decode1.argv[-6:] == ("--cpu-cores", "2", "--cpu-lending", table, "--cpu-borrow", "0")
+
+
+def _rates(tmp_path: Path, prefill: float, decode: float) -> str:
+    path = tmp_path / "engine.json"
+    results = {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode}
+    path.write_text(json.dumps({"cores": "0", "results": {"vllm_prefill": results}}))
+    return str(path)
+
+
+def test_the_cores_are_split_by_the_phases_costs(tmp_path: Path) -> None:
+    """docs/benchmarks.md, "Choosing the split": pdserve up gives the prefill engines the
+    share of the cores that balances the phases (here 9 of 16), not half of them."""
+    rates = _rates(tmp_path, prefill=279.0, decode=48.0)
+    s = parse("--split-rates", rates, "--log-dir", str(tmp_path))
+    table = lending_table(s, [], list(range(16)), tmp_path)
+    specs, _ = build_specs(s, gpus=[], cores=list(range(16)), lending_table=table)
+    prefill, decode, _ = specs
+    assert prefill.argv[-4:] == ("--cpu-cores", "0-8", "--cpu-lending", table)
+    assert decode.argv[-6:] == (
+        "--cpu-cores",
+        "9-15",
+        "--cpu-lending",
+        table,
+        "--cpu-borrow",
+        "0-8",
+    )
+    assert split_line(s, [], list(range(16))).startswith(
+        "pdserve up: cores 0-8 for the prefill engines, 9-15 for the decode engines"
+    )
+    # Decode that costs more per request takes the larger share; each role's engines share it.
+    s = parse("--split-rates", _rates(tmp_path, 2000.0, 8.0), "--prefill", "2", "--decode", "2")
+    cores = [p.cpu_cores for p in engine_placements(s, [], list(range(16)))[0]]
+    assert cores == ["0", "1", "2-8", "9-15"]
+    # --cpu-split even: as many cores per engine.
+    even = parse("--split-rates", rates, "--cpu-split", "even")
+    assert [p.cpu_cores for p in engine_placements(even, [], list(range(16)))[0]] == ["0-7", "8-15"]
+    assert split_line(even, [], list(range(16))) == ""
+    # Two cores, or more engines than cores: as before.
+    assert [p.cpu_cores for p in engine_placements(s, [], [0, 1, 2, 3])[0]] == ["0", "1", "2", "3"]
+    assert [p.cpu_cores for p in engine_placements(s, [], [0, 1])[0]] == ["nobind"] * 4
+    assert split_line(s, [], [0, 1]) == ""
+
+
+def test_a_bad_split_setting_is_refused() -> None:
+    with pytest.raises(ValidationError, match="not a workload"):
+        parse("--split-workload", "512")
+    with pytest.raises(ValidationError, match="cannot read the engine rates"):
+        parse("--split-rates", "/nonexistent/engine.json")
+    # --cpu-split even does not read the report.
+    assert parse("--cpu-split", "even", "--split-rates", "/nonexistent/engine.json")
 
 
 def test_no_lending_table_when_it_is_off_or_does_not_apply(
