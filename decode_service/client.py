@@ -16,6 +16,8 @@ from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 class DecodeClient(GrpcClient):
     """One channel to one decode worker; ``close()`` when done."""
 
+    STUB = worker_pb2_grpc.DecodeWorkerStub
+
     def __init__(
         self,
         address: str,
@@ -26,7 +28,6 @@ class DecodeClient(GrpcClient):
     ) -> None:
         """``secret``, ``tls``: as for ``GrpcClient`` (by default the process's)."""
         super().__init__(address, default_timeout_s=default_timeout_s, secret=secret, tls=tls)
-        self.stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
 
     def decode(
         self,

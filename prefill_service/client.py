@@ -16,6 +16,8 @@ from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 class PrefillClient(GrpcClient):
     """One channel to one prefill worker; ``close()`` when done."""
 
+    STUB = worker_pb2_grpc.PrefillWorkerStub
+
     def __init__(
         self,
         address: str,
@@ -26,7 +28,6 @@ class PrefillClient(GrpcClient):
     ) -> None:
         """``secret``, ``tls``: as for ``GrpcClient`` (by default the process's)."""
         super().__init__(address, default_timeout_s=default_timeout_s, secret=secret, tls=tls)
-        self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
 
     async def prefill(
         self,

@@ -13,6 +13,7 @@ depend on grpc's exception types), and closes the channel.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -77,12 +78,23 @@ DEPLOYMENT_SECRET: Any = object()  # GrpcClient's default: pdserve.rpc.secret.de
 DEPLOYMENT_TLS: Any = rpc_tls.DEPLOYMENT_TLS  # GrpcClient's default: rpc_tls.deployment_tls()
 
 
-class GrpcClient:
-    """Owns one channel to ``address``; subclasses build their stub from ``self.channel``.
+# How long a channel left behind by a new TLS identity waits for its calls to end (a decode
+# stream may run for minutes) before they are cancelled and it closes.
+RETIRED_CHANNEL_GRACE_S = 3600.0
 
-    The channel is created once in the constructor (it connects lazily) and closed by
-    ``close()``; every call through ``unary``/``stream`` has a deadline.
+
+class GrpcClient:
+    """Owns a channel to ``address``; subclasses name their generated stub class (``STUB``)
+    and call through ``self.stub``.
+
+    The channel is created in the constructor (it connects lazily) and closed by ``close()``;
+    every call through ``unary``/``stream`` has a deadline. With a TLS identity read from a
+    directory, a call started after its files changed goes through a new channel dialled with
+    the new identity (``pdserve.rpc.tls.ClientIdentity``); the old channel closes once its
+    calls end.
     """
+
+    STUB: Callable[[grpc.aio.Channel], Any] | None = None
 
     def __init__(
         self,
@@ -105,7 +117,48 @@ class GrpcClient:
         # are bound to it ("": none announced, or a call since was refused UNAUTHENTICATED).
         self.worker_id = ""
         self.tls: rpc_tls.TlsIdentity | None = rpc_tls.resolve(tls)
+        self._identity = rpc_tls.client_identity(self.tls) if self.tls is not None else None
+        self._generation = 0
+        if self._identity is not None:
+            self.tls, self._generation = self._identity.current()
         self.channel = rpc_tls.aio_channel(address, CLIENT_OPTIONS, self.tls)
+        self._stub: Any = None
+        self._retired: list[grpc.aio.Channel] = []  # channels of an earlier identity
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def stub(self) -> Any:
+        """``STUB`` over the current channel (a new channel after the identity changed)."""
+        self._follow_identity()
+        if self._stub is None:
+            assert self.STUB is not None, f"{type(self).__name__} names no STUB"
+            self._stub = self.STUB(self.channel)
+        return self._stub
+
+    def _follow_identity(self) -> None:
+        if self._identity is None:
+            return
+        identity, generation = self._identity.current()
+        if generation == self._generation:
+            return
+        old = self.channel
+        self.tls, self._generation = identity, generation
+        self.channel = rpc_tls.aio_channel(self.address, CLIENT_OPTIONS, identity)
+        self._stub = None
+        log.info("new channel to %s with the TLS identity read again from %s",
+                 self.address, identity.directory)  # fmt: skip
+        self._retired.append(old)
+        try:
+            task = asyncio.get_running_loop().create_task(self._retire(old))
+        except RuntimeError:  # no event loop here: it closes with the client
+            return
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _retire(self, channel: grpc.aio.Channel) -> None:
+        await channel.close(grace=RETIRED_CHANNEL_GRACE_S)
+        if channel in self._retired:
+            self._retired.remove(channel)
 
     def _metadata(
         self, method: str, request: Any, request_id: str | None
@@ -122,7 +175,9 @@ class GrpcClient:
         return metadata
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in [*self._retired, self.channel]:
+            await channel.close()
+        self._retired.clear()
 
     async def __aenter__(self) -> GrpcClient:
         return self

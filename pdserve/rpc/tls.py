@@ -37,9 +37,11 @@ its files changed (``ServerIdentityReload``, grpc's dynamic server credentials):
 renewed in place (cert-manager updating the mounted Secret) serves new connections without
 restarting the worker, whose engine and KV cache would be lost with it. A set that is not whole
 yet (a key that does not match the certificate, a file half written) is not taken: the last good
-identity goes on serving and the next change is tried again. Clients read their identity when
-they start (the gateway is restarted cheaply; its connections made before stay valid while the
-old certificate is).
+identity goes on serving and the next change is tried again. Clients look at their directory
+again at most once a second, when they start a call (``ClientIdentity``): after a change, the
+gateway's worker clients open new channels with the new identity, and the old channels close
+once the calls on them end. So a CA rotated under a running gateway (the workers restarted
+with certificates of the new CA) costs no gateway restart.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,17 +149,23 @@ def _stamp(directory: str) -> tuple[tuple[int, int, int], ...] | None:
     return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
 
 
-class ServerIdentityReload:
-    """grpc's certificate-configuration fetcher for a server's identity: called by grpc at
-    the start of each TLS handshake, it returns the directory's identity when its files
-    changed and form a whole, valid set again, else None (keep serving the current one)."""
+class IdentityWatch:
+    """An identity read from a directory, read again when one of its files changed (inode,
+    size or time) and the files form a whole, valid set again (``check``: a further test a
+    set must pass); until then the last good identity holds."""
 
-    def __init__(self, identity: TlsIdentity) -> None:
+    def __init__(
+        self, identity: TlsIdentity, check: Callable[[TlsIdentity], None] | None = None
+    ) -> None:
         self.identity = identity
+        self.check = check
         self.stamp = _stamp(identity.directory)
-        self.lock = threading.Lock()  # grpc may call from several of its threads
+        self.generation = 0  # counts the identities taken after the first
+        self.lock = threading.Lock()  # grpc calls a server's fetcher from several threads
 
-    def __call__(self) -> Any:
+    def fresh(self) -> TlsIdentity | None:
+        """The directory's identity when it changed since the last look and is whole, else
+        None (keep the current one)."""
         stamp = _stamp(self.identity.directory)
         with self.lock:
             if stamp is None or stamp == self.stamp:
@@ -164,15 +173,64 @@ class ServerIdentityReload:
             self.stamp = stamp
             try:
                 fresh = load(self.identity.directory)
-                fresh.check_server_name()
+                if self.check is not None:
+                    self.check(fresh)
             except ValueError as exc:
                 log.warning("TLS: the changed identity in %s is not taken (the current one "
                             "serves on): %s", self.identity.directory, exc)  # fmt: skip
                 return None
             self.identity = fresh
-        log.info("TLS: new connections are served with the identity read again from %s",
-                 fresh.directory)  # fmt: skip
-        return fresh.server_configuration()
+            self.generation += 1
+        log.info("TLS: new connections use the identity read again from %s", fresh.directory)
+        return fresh
+
+
+class ServerIdentityReload:
+    """grpc's certificate-configuration fetcher for a server's identity: called by grpc at
+    the start of each TLS handshake, it returns the directory's identity when its files
+    changed and form a whole, valid set again, else None (keep serving the current one)."""
+
+    def __init__(self, identity: TlsIdentity) -> None:
+        self.watch = IdentityWatch(identity, TlsIdentity.check_server_name)
+
+    def __call__(self) -> Any:
+        fresh = self.watch.fresh()
+        return fresh.server_configuration() if fresh is not None else None
+
+
+class ClientIdentity:
+    """The identity a process's clients dial with: its directory looked at again at most
+    every ``CLIENT_CHECK_S`` seconds, when a client is about to start a call
+    (``pdserve.rpc.client.GrpcClient`` then opens a new channel with it). One per directory
+    and process (``client_identity``)."""
+
+    def __init__(self, identity: TlsIdentity) -> None:
+        self.watch = IdentityWatch(identity)
+        self.looked = time.monotonic()
+
+    def current(self) -> tuple[TlsIdentity, int]:
+        """The identity and its generation (a new one: dial with it from now on)."""
+        now = time.monotonic()
+        if now - self.looked >= CLIENT_CHECK_S:
+            self.looked = now
+            self.watch.fresh()
+        return self.watch.identity, self.watch.generation
+
+
+# How often a client looks whether its identity's files changed (a stat of three files).
+CLIENT_CHECK_S = 1.0
+_client_identities: dict[str, ClientIdentity] = {}
+
+
+def client_identity(identity: TlsIdentity) -> ClientIdentity | None:
+    """The process's ``ClientIdentity`` for ``identity``'s directory; None for an identity not
+    read from one (it never changes)."""
+    if not identity.directory:
+        return None
+    found = _client_identities.get(identity.directory)
+    if found is None:
+        found = _client_identities[identity.directory] = ClientIdentity(identity)
+    return found
 
 
 def tls_dir() -> str:

@@ -37,6 +37,7 @@ from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 SERVER = """
 import asyncio
+import sys
 from pdserve.bench.fake_worker import FakePrefill
 from pdserve.rpc import auth
 from pdserve.rpc.secret import deployment_secret
@@ -57,7 +58,8 @@ async def main():
     stop = stop_event_on_signals()
     prefill = FakePrefill(record=False)
     add = worker_pb2_grpc.add_PrefillWorkerServicer_to_server
-    server = GrpcServer("127.0.0.1", 0, [lambda s: add(prefill, s)], [PREFILL_SERVICE],
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    server = GrpcServer("127.0.0.1", port, [lambda s: add(prefill, s)], [PREFILL_SERVICE],
                         deployment_secret(), worker_id="prefill-0", tls=deployment_tls())
     await server.start()
     print(server.port, flush=True)
@@ -105,13 +107,16 @@ def worker(tmp_path: Path, certs: dict[str, Path]) -> Iterator[Worker]:
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, worker_tls: Path, gateway_tls: Path) -> Iterator[Worker]:
-    """The worker process with the identity in ``worker_tls``; its ``identity`` is
+def serve(tmp_path: Path, worker_tls: Path, gateway_tls: Path, port: int = 0) -> Iterator[Worker]:
+    """The worker process with the identity in ``worker_tls`` (on ``port``, 0: a free one) and
+    the secret in ``tmp_path`` (made by the first worker there); its ``identity`` is
     ``gateway_tls``'s."""
-    path = write_new(tmp_path / "secret")
+    path = tmp_path / "secret"
+    if not path.exists():
+        write_new(path)
     env = {**os.environ, SECRET_FILE_ENV: str(path), rpc_tls.TLS_DIR_ENV: str(worker_tls)}
     process = subprocess.Popen(
-        [sys.executable, "-c", SERVER], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SERVER, str(port)], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
         assert process.stdout is not None
@@ -265,3 +270,40 @@ async def test_a_renewed_identity_serves_new_connections_without_a_restart(tmp_p
         # The rest of it (the old CA and key): taken at the next handshake.
         _copy_identity(old["prefill-0"], live)
         assert await _health_with(worker, rpc_tls.load(old["gateway"])) == serving
+
+
+async def test_a_running_gateway_dials_with_its_renewed_identity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CA rotated under a running gateway: the worker restarts with a certificate of the new
+    CA, and the gateway's client of it, whose identity files were rewritten meanwhile, dials
+    the next call with the new identity (a client still trusting only the old CA fails the
+    handshake with the new worker)."""
+    monkeypatch.setattr(rpc_tls, "CLIENT_CHECK_S", 0.0)  # look at every call
+    old = write_set(tmp_path / "old", ["prefill-0", "gateway"])
+    new = write_set(tmp_path / "new", ["prefill-0", "gateway"])
+    worker_live, gateway_live = tmp_path / "worker", tmp_path / "gateway"
+    for live, name in ((worker_live, "prefill-0"), (gateway_live, "gateway")):
+        live.mkdir()
+        _copy_identity(old[name], live)
+    with serve(tmp_path, worker_live, gateway_live) as worker:
+        client = PrefillClient(worker.address, secret=worker.secret, tls=rpc_tls.load(gateway_live))
+        first = await client.prefill("r-1", [1, 2, 3], common_pb2.SamplingParams())
+        assert first.request_id == "r-1"
+        port = worker.port
+    try:
+        _copy_identity(new["prefill-0"], worker_live)
+        _copy_identity(new["gateway"], gateway_live)
+        with serve(tmp_path, worker_live, gateway_live, port) as worker:
+            # The client trusting only the old CA, as the gateway had before: refused.
+            async with PrefillClient(
+                worker.address, secret=worker.secret, tls=rpc_tls.load(old["gateway"])
+            ) as stale:
+                with pytest.raises(RpcCallError) as info:
+                    await stale.capabilities(timeout=5)
+                assert info.value.code == "UNAVAILABLE"
+            reply = await client.prefill("r-2", [1, 2, 3], common_pb2.SamplingParams(), timeout=10)
+            assert reply.request_id == "r-2"
+            assert client.tls is not None and client.tls.cert == rpc_tls.load(new["gateway"]).cert
+    finally:
+        await client.close()
