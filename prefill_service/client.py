@@ -7,9 +7,8 @@ Failed calls raise ``pdserve.rpc.client.RpcCallError``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from pdserve.rpc.client import DEPLOYMENT_SECRET, DEPLOYMENT_TLS, GrpcClient
+from pdserve.rpc.client import GrpcClient
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -17,17 +16,6 @@ class PrefillClient(GrpcClient):
     """One channel to one prefill worker; ``close()`` when done."""
 
     STUB = worker_pb2_grpc.PrefillWorkerStub
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        default_timeout_s: float = 10.0,
-        secret: Any = DEPLOYMENT_SECRET,
-        tls: Any = DEPLOYMENT_TLS,
-    ) -> None:
-        """``secret``, ``tls``: as for ``GrpcClient`` (by default the process's)."""
-        super().__init__(address, default_timeout_s=default_timeout_s, secret=secret, tls=tls)
 
     async def prefill(
         self,

@@ -149,32 +149,35 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
     return ChildSpec("gateway", argv, CHILD_ENV, health, stop_stage=0)
 
 
-def cores_to_prefill(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> int | None:
+def core_split(
+    s: UpSettings, gpus: Sequence[str], cores: Sequence[int]
+) -> tuple[int, topology.Rates] | None:
     """How many of ``cores`` the prefill engines share (``--cpu-split phases``:
-    ``topology.prefill_cores``); None where the cores are split evenly (``--cpu-split even``,
-    GPUs, or more engines than cores)."""
+    ``topology.prefill_cores``) and the rates that chose it; None where the cores are split
+    evenly (``--cpu-split even``, GPUs, or more engines than cores)."""
     if s.cpu_split == "even" or gpus or s.prefill + s.decode > len(cores):
         return None
     rates = topology.load_rates(s.split_rates, machine.native_bf16())
     workload = topology.parse_workload(s.split_workload)
-    return topology.prefill_cores(len(cores), s.prefill, s.decode, workload, rates)
+    return topology.prefill_cores(len(cores), s.prefill, s.decode, workload, rates), rates
 
 
 def engine_placements(
     s: UpSettings, gpus: Sequence[str], cores: Sequence[int]
 ) -> tuple[list[Placement], str | None]:
     """Every engine's placement, prefill engines first (``place_engines``, the cores split
-    as ``cores_to_prefill`` says), and a sharing warning."""
-    to_prefill = cores_to_prefill(s, gpus, cores)
+    as ``core_split`` says), and a sharing warning."""
+    split = core_split(s, gpus, cores)
+    to_prefill = split[0] if split is not None else None
     return place_engines(s.prefill + s.decode, gpus, cores, s.prefill, to_prefill)
 
 
 def split_line(s: UpSettings, gpus: Sequence[str], cores: Sequence[int]) -> str:
     """What ``pdserve up`` prints about the split of the cores ("" where it does not apply)."""
-    to_prefill = cores_to_prefill(s, gpus, cores)
-    if to_prefill is None or not s.prefill:
+    split = core_split(s, gpus, cores)
+    if split is None or not s.prefill:
         return ""
-    rates = topology.load_rates(s.split_rates, machine.native_bf16())
+    to_prefill, rates = split
     return "pdserve up: " + topology.describe(cores, to_prefill, s.split_workload, rates)
 
 
@@ -409,8 +412,9 @@ def run(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
     os.environ.update(credentials_env(s))
     cores = usable_cores()
-    if split_line(s, gpus, cores):
-        print(split_line(s, gpus, cores), flush=True)
+    line = split_line(s, gpus, cores)
+    if line:
+        print(line, flush=True)
     table = lending_table(s, gpus, cores, log_dir)
     tls_dirs = tls_env(s, log_dir)
     tls = rpc_tls.load(tls_dirs[PROBE_IDENTITY][rpc_tls.TLS_DIR_ENV]) if tls_dirs else None
