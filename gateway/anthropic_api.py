@@ -22,8 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.errors import InvalidRequest
-from gateway.openai_format import validation_message
+from gateway.errors import InvalidRequest, validation_message
 
 
 class AnthropicApi:

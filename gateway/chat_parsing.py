@@ -1,161 +1,35 @@
 """Tool calls and reasoning in chat output, by vLLM's own parsers (``vllm.parser``).
 
-Configured as ``vllm serve`` is configured: ``--tool-call-parser``, ``--enable-auto-tool-choice``
-and ``--reasoning-parser``. vLLM (and with it torch) is imported only when one of them is set, so
-a gateway without parsers starts as light as before; with one, start-up pays vLLM's import.
-
-Per chat request, as vLLM's chat serving does it: vLLM's ``ChatCompletionRequest`` validates the
-body (``tools``, ``tool_choice``, ``parallel_tool_calls``, ``include_reasoning``); the parser
-adjusts it (structured output that forces the call of a "required" or named ``tool_choice``,
-special tokens kept for the parser to see); and one vLLM ``Parser`` per choice turns what the
-choice generates into reasoning, content and tool calls, whole or delta by delta. What remains
-here is the glue vLLM's serving layer has around its parsers: the message's shape, the
-``finish_reason`` of a call, ``parallel_tool_calls: false``.
+Configured as ``vllm serve`` is configured (``--tool-call-parser``, ``--enable-auto-tool-choice``,
+``--reasoning-parser``): vLLM's renderer (``gateway.render``) picks the parser class for those
+flags, validates each chat request and lets the parser adjust it (the structured output that
+forces the call of a "required" or named ``tool_choice``, special tokens kept for the parser to
+see). Here one vLLM ``Parser`` per choice turns what the choice generates into reasoning,
+content and tool calls, whole or delta by delta, with the glue vLLM's chat serving has around
+its parsers: the message's shape, the ``finish_reason`` of a call, ``parallel_tool_calls:
+false``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from gateway.errors import InvalidRequest
-from gateway.offload import Offload
 from protos.v1 import common_pb2
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ParserSettings:
-    """vLLM's front-end flags of the same names."""
-
-    tool_call_parser: str = ""
-    reasoning_parser: str = ""
-    enable_auto_tool_choice: bool = False
-
-    @property
-    def any(self) -> bool:
-        return bool(self.tool_call_parser or self.reasoning_parser)
-
-
-def unparsed_tool_choice_error(tools: Any, tool_choice: Any) -> InvalidRequest | None:
-    """vLLM's answer to a tool choice sent to a server without a tool-call parser: "auto" (the
-    default when ``tools`` are given) needs ``--enable-auto-tool-choice`` and
-    ``--tool-call-parser``, "required" or a named function ``--tool-call-parser``; "none" (and
-    no tools) is served."""
-    choice = "auto" if tool_choice is None and tools else tool_choice
-    if choice in (None, "none"):
-        return None
-    if choice == "auto":
-        return InvalidRequest(
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-            "to be set",
-            param="tool_choice",
-        )
-    if isinstance(choice, Mapping):
-        described = f'function "{(choice.get("function") or {}).get("name")}"'
-    else:
-        described = f'"{choice}"'
-    return InvalidRequest(
-        f"tool_choice={described} requires --tool-call-parser to be set", param="tool_choice"
-    )
-
-
-async def parse_chat(
-    parsing: ChatParsing | None,
-    offload: Offload,
-    body: Mapping[str, Any],
-    params: common_pb2.SamplingParams,
-) -> ParsedChat | None:
-    """A chat request (OpenAI's JSON body) as vLLM's parsers see it, their changes put into
-    ``params``; None when the gateway has no parser, where a tool choice that needs one is
-    vLLM's 400. vLLM's validation runs on ``offload``'s threads."""
-    if parsing is None or not parsing.parses_tools:
-        problem = unparsed_tool_choice_error(body.get("tools"), body.get("tool_choice"))
-        if problem is not None:
-            raise problem
-    if parsing is None:
-        return None
-    parsed = await offload.run(parsing.request, body)
-    parsed.adjust(params)
-    return parsed
-
-
-def load_parsing(settings: ParserSettings, model_dir: str, model_name: str) -> ChatParsing | None:
-    """vLLM's parser for the gateway's flags, chosen as vLLM chooses it; None when there is
-    none to use (no flag, or as in vLLM 0.32 a tool-call parser without
-    ``--enable-auto-tool-choice``). An unknown name, or one the tokenizer cannot serve, is a
-    ``ValueError`` that stops the gateway."""
-    if not settings.any:
-        return None
-    # The heavy imports: only a gateway that was given a parser pays them.
-    from vllm.parser import ParserManager
-    from vllm.tokenizers import get_tokenizer
-
-    tokenizer = get_tokenizer(model_dir)
-    try:
-        parser = ParserManager.get_parser(
-            tool_parser_name=settings.tool_call_parser or None,
-            reasoning_parser_name=settings.reasoning_parser or None,
-            enable_auto_tools=settings.enable_auto_tool_choice,
-            model_name=model_name,
-            tokenizer=tokenizer,
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"cannot use the parser: {err}") from err
-    if parser is None:
-        log.warning(
-            "--tool-call-parser is used only with --enable-auto-tool-choice (as in vLLM): "
-            "chat output is not parsed"
-        )
-        return None
-    log.info(
-        "chat output parsed by vLLM's parsers: tool calls %s, reasoning %s",
-        settings.tool_call_parser if parser.tool_parser_cls is not None else "off",
-        settings.reasoning_parser or "off",
-    )
-    return ChatParsing(settings, tokenizer, parser)
 
 
 class ChatParsing:
-    """vLLM's parser class for this gateway's flags and the model's tokenizer (built once)."""
+    """vLLM's parser class for the gateway's flags (``parser_cls``: what vLLM's renderer chose
+    for them) and the model's tokenizer."""
 
-    def __init__(self, settings: ParserSettings, tokenizer: Any, parser_cls: Any) -> None:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        self.settings = settings
+    def __init__(self, enable_auto_tool_choice: bool, tokenizer: Any, parser_cls: Any) -> None:
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tokenizer = tokenizer
-        self._request_model = ChatCompletionRequest
         self.parser_cls = parser_cls
-        self.parses_tools = parser_cls.tool_parser_cls is not None
 
-    def request(self, body: Mapping[str, Any]) -> ParsedChat:
-        """The body as vLLM's request, adjusted by the parser as vLLM adjusts it; a body
-        vLLM refuses is an ``InvalidRequest`` with vLLM's message."""
-        from pydantic import ValidationError
-
-        try:
-            request = self._request_model.model_validate(dict(body))
-        except ValidationError as err:
-            errors = err.errors()
-            if not errors:
-                raise InvalidRequest(str(err)) from err
-            loc = ".".join(str(p) for p in errors[0]["loc"]) or None
-            raise InvalidRequest(str(errors[0]["msg"]), param=loc) from err
-        except ValueError as err:
-            raise InvalidRequest(str(err), param=getattr(err, "parameter", None)) from err
-        if (
-            self.parser_cls.always_adjust_request
-            or self.parser_cls.reasoning_parser_cls is not None
-            or (request.tool_choice or "none") != "none"
-        ):
-            try:
-                request = self.parser(request).adjust_request(request)
-            except ValueError as err:
-                raise InvalidRequest(str(err), param="tool_choice") from err
+    def parsed(self, request: Any) -> ParsedChat:
+        """``request``: vLLM's chat request as vLLM's renderer validated and adjusted it."""
         return ParsedChat(self, request)
 
     def parser(self, request: Any) -> Any:
@@ -208,8 +82,7 @@ class ChoiceParser:
 
     def _auto(self) -> bool:
         return bool(
-            self.chat.parsing.settings.enable_auto_tool_choice
-            and self.parser.tool_parser is not None
+            self.chat.parsing.enable_auto_tool_choice and self.parser.tool_parser is not None
         )
 
     def message(

@@ -8,7 +8,6 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode
 
-from gateway.chat_parsing import ParserSettings
 from gateway.slo import Slo
 from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config
 
@@ -123,6 +122,11 @@ class GatewaySettings(BaseSettings):
         default="auto",
         description="sampling defaults for what a request leaves unset, as vLLM's flag: auto "
         "(the model's generation_config.json), vllm (none) or a directory holding one",
+    )
+    chat_template: str = Field(
+        default="",
+        description="the chat template for chats (as vLLM's flag: a file, or the template "
+        "itself; empty: the model's own)",
     )
     tool_call_parser: str = Field(
         default="",
@@ -290,9 +294,18 @@ class GatewaySettings(BaseSettings):
 
         return resolve_model(None)
 
-    def parsers(self) -> ParserSettings:
-        return ParserSettings(
-            self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice
+    def vllm_args(self, model_name: str) -> list[str]:
+        """vLLM's front-end flags of these settings (``gateway.render``)."""
+        from gateway.render import vllm_args
+
+        return vllm_args(
+            served_model_name=model_name,
+            generation_config=self.generation_config,
+            chat_template=self.chat_template,
+            tool_call_parser=self.tool_call_parser,
+            enable_auto_tool_choice=self.enable_auto_tool_choice,
+            reasoning_parser=self.reasoning_parser,
+            trust_request_chat_template=self.trust_request_chat_template,
         )
 
     def model_name(self, model_dir: str) -> str:

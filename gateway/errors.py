@@ -7,6 +7,9 @@ request field when there is one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 
 class GatewayError(Exception):
     """Base of every error the core raises on purpose."""
@@ -93,3 +96,22 @@ def public_message(err: GatewayError, routing: bool) -> str:
     if routing or not isinstance(err, WorkerFailed) or not err.worker:
         return err.message
     return err.message.replace(err.worker, "<worker>")
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A one-line message and the offending field from pydantic/FastAPI validation errors."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if param is None and first.get("type") == "missing":
+        return "the request body is missing", None
+    if param is None:
+        return "the request body must be a JSON object", None
+    message = str(first.get("msg", "invalid value"))
+    return (f"{param}: {message}" if param else message), param

@@ -18,6 +18,7 @@ from gateway.errors import GatewayError
 from gateway.events import Event, Usage
 from gateway.generation import Generation
 from gateway.service import GenerateRequest, GenerationService, Prompt, all_or_none
+from protos.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -27,19 +28,26 @@ class ChoiceSpec:
     request: GenerateRequest
 
 
-def choice_specs(parent: GenerateRequest, prompts: Sequence[Prompt], n: int) -> list[ChoiceSpec]:
+def choice_specs(
+    parent: GenerateRequest,
+    prompts: Sequence[Prompt],
+    n: int,
+    params: Sequence[common_pb2.SamplingParams] | None = None,
+) -> list[ChoiceSpec]:
+    """``params``: each prompt's own sampling parameters (else the parent's)."""
     total = len(prompts) * n
     specs = []
     for p, prompt in enumerate(prompts):
+        prompt_params = parent.params if params is None else params[p]
         for j in range(n):
             index = p * n + j
-            params = parent.params
-            if j and params.HasField("seed"):
-                params = type(params)()
-                params.CopyFrom(parent.params)
-                params.seed = (parent.params.seed + j) % 2**63
+            choice = prompt_params
+            if j and choice.HasField("seed"):
+                choice = type(choice)()
+                choice.CopyFrom(prompt_params)
+                choice.seed = (prompt_params.seed + j) % 2**63
             request_id = parent.request_id if total == 1 else f"{parent.request_id}-{index}"
-            request = replace(parent, request_id=request_id, prompt=prompt, params=params)
+            request = replace(parent, request_id=request_id, prompt=prompt, params=choice)
             specs.append(ChoiceSpec(index, p, request))
     return specs
 

@@ -18,7 +18,6 @@ import grpc
 
 from gateway import request_log
 from gateway.auth import ApiKeys
-from gateway.chat_parsing import parse_chat
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -32,7 +31,6 @@ from gateway.errors import (
     public_message,
 )
 from gateway.events import Finish, TokenDelta
-from gateway.interfaces import REASONING_EFFORTS, ChatOptions, template_kwargs
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
 from pdserve.rpc.client import REQUEST_ID_METADATA
 from pdserve.telemetry import tracing
@@ -97,75 +95,52 @@ def _message(m: generate_pb2.ChatMessage, index: int) -> dict[str, Any]:
     return message
 
 
-def _messages(chat: generate_pb2.ChatMessages) -> tuple[dict[str, Any], ...]:
-    return tuple(_message(m, i) for i, m in enumerate(chat.messages))
-
-
-def _tools(tools_json: str) -> tuple[dict[str, Any], ...] | None:
+def _tools(tools_json: str) -> list[dict[str, Any]] | None:
     if not tools_json:
         return None
     tools = _json(tools_json, "tools_json")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidRequest("tools_json must be a JSON array of objects", param="tools_json")
-    return tuple(tools)
+    return tools
 
 
-def _chat_prompt(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> Prompt:
-    return Prompt(
-        messages=_messages(request.chat),
-        tools=_tools(request.tools_json),
-        chat=_chat_options(request.chat_options),
-    )
-
-
-def _chat_options(options: generate_pb2.ChatTemplateOptions) -> ChatOptions:
-    """vLLM's chat rendering fields, with its defaults where unset."""
-    kwargs = None
+def chat_body(
+    request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
+) -> dict[str, Any]:
+    """A call's chat as OpenAI's JSON body, which vLLM's renderer reads as the HTTP API's
+    (``gateway.render``): the same messages, tools and chat options give the same ids."""
+    body: dict[str, Any] = {
+        "messages": [_message(m, i) for i, m in enumerate(request.chat.messages)],
+        "max_completion_tokens": 1,  # rendering only: the call's max_tokens rule is the gRPC API's
+    }
+    if request.model:
+        body["model"] = request.model
+    tools = _tools(request.tools_json)
+    if tools:
+        body["tools"] = tools
+    if isinstance(request, generate_pb2.GenerateRequest):
+        if request.tool_choice_json:
+            body["tool_choice"] = _json(request.tool_choice_json, "tool_choice_json")
+        for name in ("parallel_tool_calls", "include_reasoning"):
+            if request.HasField(name):
+                body[name] = getattr(request, name)
+        if request.params.HasField("skip_special_tokens"):
+            body["skip_special_tokens"] = request.params.skip_special_tokens
+    elif tools:
+        body["tool_choice"] = "none"  # Tokenize renders the tools; it calls none of them
+    options = request.chat_options
+    for name in ("add_generation_prompt", "continue_final_message", "chat_template"):
+        if options.HasField(name):
+            body[name] = getattr(options, name)
     if options.chat_template_kwargs_json:
         kwargs = _json(options.chat_template_kwargs_json, "chat_template_kwargs_json")
         if not isinstance(kwargs, dict):
             raise InvalidRequest(
                 "chat_template_kwargs_json must be a JSON object", param="chat_template_kwargs_json"
             )
-    effort = options.reasoning_effort or None
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidRequest(
-            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not {effort[:32]!r}",
-            param="reasoning_effort",
-        )
-    return ChatOptions(
-        add_generation_prompt=(
-            options.add_generation_prompt if options.HasField("add_generation_prompt") else True
-        ),
-        continue_final_message=(
-            options.continue_final_message if options.HasField("continue_final_message") else False
-        ),
-        template_kwargs=template_kwargs(kwargs, effort),
-        template=options.chat_template if options.HasField("chat_template") else None,
-    )
-
-
-def _chat_body(request: generate_pb2.GenerateRequest, prompt: Prompt) -> dict[str, Any]:
-    """The chat request as OpenAI's JSON body, for vLLM's parsers (``gateway.chat_parsing``)."""
-    body: dict[str, Any] = {"messages": list(prompt.messages or ())}
-    if request.model:
-        body["model"] = request.model
-    if prompt.tools:
-        body["tools"] = list(prompt.tools)
-    if request.tool_choice_json:
-        body["tool_choice"] = _json(request.tool_choice_json, "tool_choice_json")
-    for name in ("parallel_tool_calls", "include_reasoning"):
-        if request.HasField(name):
-            body[name] = getattr(request, name)
-    if request.params.HasField("skip_special_tokens"):
-        body["skip_special_tokens"] = request.params.skip_special_tokens
-    chat = prompt.chat
-    body["add_generation_prompt"] = chat.add_generation_prompt
-    body["continue_final_message"] = chat.continue_final_message
-    if chat.template_kwargs:
-        body["chat_template_kwargs"] = dict(chat.template_kwargs)
-    if request.chat_options.reasoning_effort:
-        body["reasoning_effort"] = request.chat_options.reasoning_effort
+        body["chat_template_kwargs"] = kwargs
+    if options.reasoning_effort:
+        body["reasoning_effort"] = options.reasoning_effort
     return body
 
 
@@ -182,17 +157,6 @@ def _parsed(message: generate_pb2.GenerateResponse, delta: dict[str, Any] | None
             name=function.get("name") or "",
             arguments=function.get("arguments") or "",
         )
-
-
-def _prompt(request: generate_pb2.GenerateRequest) -> Prompt:
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        return Prompt(text=request.text)
-    if kind == "token_ids":
-        return Prompt(token_ids=tuple(request.token_ids.ids))
-    if kind == "chat":
-        return _chat_prompt(request)
-    raise InvalidRequest("the request has no input (text, token_ids or chat)", param="input")
 
 
 def _final(event: Finish, routing: bool) -> generate_pb2.GenerateResponse:
@@ -263,12 +227,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         metadata: dict[str, str],
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """The call's messages; a chat's parsed by the gateway's parsers when it has them."""
-        prompt, params = _prompt(request), common_pb2.SamplingParams()
+        params = common_pb2.SamplingParams()
         params.CopyFrom(request.params)
         parsed = None
-        if prompt.messages is not None:
-            body = _chat_body(request, prompt)
-            parsed = await parse_chat(self.service.chat_parsing, self.service.offload, body, params)
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            prompt = Prompt(token_ids=tuple(await self._render_text(request)))
+        elif kind == "token_ids":
+            prompt = Prompt(token_ids=tuple(request.token_ids.ids))
+        elif kind == "chat":
+            chat, ids = await self._render_chat(request)
+            prompt = Prompt(token_ids=tuple(ids))
+            parsed = (await self.service.renderer.get()).parsed(chat)
+            if parsed is not None:
+                parsed.adjust(params)
+        else:
+            raise InvalidRequest(
+                "the request has no input (text, token_ids or chat)", param="input"
+            )
         core = GenerateRequest(
             request_id, prompt, params, request.model, ENDPOINT,
             deadline_s=context.time_remaining(),
@@ -292,6 +268,28 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 final.finish_reason = parser.finish_reason(event.finish_reason)
             yield final
 
+    async def _render_chat(
+        self, request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest
+    ) -> tuple[Any, list[int]]:
+        """A call's chat rendered by vLLM's renderer as the HTTP API renders it: vLLM's
+        validated request and the prompt's ids. The call's own sampling parameters stay the
+        gRPC API's."""
+        renderer = await self.service.renderer.get()
+        max_model_len = self.service.pool.max_model_len()
+        chat, rendered = await renderer.chat(chat_body(request), max_model_len)
+        return chat, rendered.token_ids
+
+    async def _render_text(
+        self, request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest
+    ) -> list[int]:
+        """A text prompt's ids, as vLLM renders a completion's."""
+        body: dict[str, Any] = {"prompt": request.text, "max_tokens": 1}
+        if request.model:
+            body["model"] = request.model
+        renderer = await self.service.renderer.get()
+        _, rendered = await renderer.completion(body, self.service.pool.max_model_len())
+        return rendered[0].token_ids
+
     async def ListModels(
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ListModelsResponse:
@@ -308,12 +306,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         await self._authorize(context)
         try:
             self.service.check_model(request.model)
-            run = self.service.offload.run  # off the event loop
             if request.WhichOneof("input") == "chat":
-                prompt = _chat_prompt(request)
-                ids = await run(self.service.tokenize, prompt)
+                _, ids = await self._render_chat(request)
             else:
-                ids = await run(self.service.tokenizer.encode_text, request.text)
+                ids = await self._render_text(request)
         except GatewayError as err:
             await self._abort(context, err)
         return generate_pb2.TokenizeResponse(

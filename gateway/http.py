@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from importlib import metadata
 from typing import Annotated, Any, TypeVar
@@ -25,7 +26,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,24 +34,29 @@ from gateway import openai_format as fmt
 from gateway import request_log
 from gateway.anthropic_api import AnthropicApi
 from gateway.auth import ApiKeys
-from gateway.chat_parsing import ParsedChat, parse_chat
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.chat_parsing import ParsedChat
+from gateway.errors import GatewayError, InvalidRequest, validation_message
 from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
 from gateway.generation import Generation
 from gateway.http_errors import ERROR_RESPONSES, error_response
 from gateway.offload import BuiltOnce
-from gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.openai_request import AnswerShape, chat_shape, completion_shape
 from gateway.openai_serving import OpenAIResponder
-from gateway.service import GenerateRequest, GenerationService, chosen_request_id, edge_request_id
-from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from gateway.service import (
+    GenerateRequest,
+    GenerationService,
+    Prompt,
+    chosen_request_id,
+    edge_request_id,
+)
 from gateway.tokenizer_info import tokenizer_info
-from gateway.vllm_front_end import front_end
 from pdserve import __version__
 from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MAX_CHOICES = 64  # prompts x n in one request
 REQUEST_ID_HEADER = "x-request-id"
 UNTRACED_PATHS = frozenset({"/health", "/metrics"})
 # Route path -> the endpoint label of metrics and request logs.
@@ -83,6 +88,7 @@ class RequestIdMiddleware:
         request_id = edge_request_id(headers.get(REQUEST_ID_HEADER))
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        state["received_at"] = time.monotonic()
         state["request_id_header"] = REQUEST_ID_HEADER in headers
         status = {"code": 0}
 
@@ -139,26 +145,57 @@ def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> F
     _add_server_routes(api, service)
     app.include_router(api)
     _add_open_routes(app, service)
+    _document_vllm_bodies(app)
     return app
 
 
-def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
-    @api.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        params = body.sampling_params()
-        parent = GenerateRequest(
-            _request_id(request, body.request_id), body.prompts()[0], params, body.model or "",
-            "completions",
-            slo=service.settings.slo.with_headers(request.headers),
-        )  # fmt: skip
-        specs = choice_specs(parent, body.prompts(), body.n)
-        return await _serve(service, request, specs, body, chat=False)
+def _document_vllm_bodies(app: FastAPI) -> None:
+    """The OpenAPI document names vLLM's own request models as the bodies they validate."""
+    default = app.openapi
 
-    @api.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        # vLLM's request model reads the body as sent; without parsers only the tool fields
-        raw = await request.json() if service.chat_parsing else body.tool_fields()
-        return await _serve_chat(service, request, body, raw, "chat_completions")
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+            doc = default()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ChatCompletionRequest, CompletionRequest):
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
+    @api.post("/v1/completions", response_model=None, openapi_extra=_body("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        renderer = await service.renderer.get()
+        completion, rendered = await renderer.completion(body, service.pool.max_model_len())
+        shape = completion_shape(completion)
+        texts = _prompt_texts(completion.prompt, len(rendered))
+        prompts = [
+            Prompt(tuple(r.token_ids), text) for r, text in zip(rendered, texts, strict=True)
+        ]
+        _check_choices(len(prompts) * completion.n)
+        parent = GenerateRequest(
+            _request_id(request, _chosen_id(body)), prompts[0], rendered[0].params,
+            completion.model or "", "completions",
+            slo=service.settings.slo.with_headers(request.headers),
+            received_at=_received_at(request),
+        )  # fmt: skip
+        specs = choice_specs(parent, prompts, completion.n, [r.params for r in rendered])
+        return await _serve(service, request, specs, shape)
+
+    @api.post(
+        "/v1/chat/completions", response_model=None, openapi_extra=_body("ChatCompletionRequest")
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await _serve_chat(service, request, await _json_body(request), "chat_completions")
 
     template = service.tokenizer.chat_template
     anthropic = BuiltOnce(lambda: AnthropicApi(template))
@@ -168,41 +205,79 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         """Anthropic's Messages API: vLLM's conversion to and from a chat completion."""
         converter = await anthropic.get()
         chat = converter.chat_body(await _json_body(request))
-        body = _chat_request(chat)
-        return await _serve_chat(service, request, body, chat, "messages", converter)
+        return await _serve_chat(service, request, chat, "messages", converter)
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         """The prompt tokens of a Messages request, as the gateway renders it."""
         converter = await anthropic.get()
         chat = converter.chat_body(await _json_body(request), count=True)
-        body = _chat_request({"max_tokens": 1, **chat})
-        service.check_model(body.model or "")
-        ids = await service.offload.run(service.tokenize, body.to_prompt())
-        return converter.token_count(len(ids))
+        renderer = await service.renderer.get()
+        _, rendered = await renderer.chat({"max_tokens": 1, **chat})
+        return converter.token_count(len(rendered.token_ids))
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fmt.models_body(service.models())
 
 
+def _body(model: str) -> dict[str, Any]:
+    """The OpenAPI entry of a body validated by vLLM's request model (in the handler)."""
+    schema = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _check_choices(total: int) -> None:
+    if total > MAX_CHOICES:
+        raise InvalidRequest(
+            f"at most {MAX_CHOICES} completions (prompts x n) per request", param="n"
+        )
+
+
+def _prompt_texts(prompt: Any, count: int) -> list[str | None]:
+    """Each prompt's text as the client sent it (token-id prompts have none)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if (
+        isinstance(prompt, list)
+        and all(isinstance(p, str) for p in prompt)
+        and len(prompt) == count
+    ):
+        return list(prompt)
+    return [None] * count
+
+
+def _received_at(request: Request) -> float:
+    """When the request arrived (its time to first token counts vLLM's rendering too)."""
+    received: float = getattr(request.state, "received_at", None) or time.monotonic()
+    return received
+
+
+def _chosen_id(body: Mapping[str, Any]) -> str | None:
+    """The body's own ``request_id`` (vLLM's model makes one up when it has none)."""
+    chosen = body.get("request_id")
+    return chosen if isinstance(chosen, str) else None
+
+
 def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
     @api.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        return await tokenize(service, body)
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: the ids a generation request sends to the workers."""
+        renderer = await service.renderer.get()
+        return await renderer.tokenize(await _json_body(request), service.pool.max_model_len())
 
     if service.settings.enable_tokenizer_info_endpoint:
-        model_dir = service.tokenizer.model_dir
-        vllm = BuiltOnce(lambda: front_end(model_dir))
 
         @api.get("/tokenizer_info")
         async def tokenizer_info_route() -> dict[str, Any]:
             """vLLM's tokenizer configuration, by vLLM's own code (``gateway.tokenizer_info``)."""
-            return await tokenizer_info(await vllm.get())
+            return await tokenizer_info((await service.renderer.get()).state)
 
     @api.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        return await detokenize(service, body)
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        """vLLM's ``/detokenize``."""
+        renderer = await service.renderer.get()
+        return await renderer.detokenize(await _json_body(request))
 
 
 def _add_server_routes(api: APIRouter, service: GenerationService) -> None:
@@ -260,7 +335,7 @@ def _add_error_handlers(app: FastAPI, routing: bool) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = fmt.validation_message(err.errors())
+        message, param = validation_message(err.errors())
         invalid = InvalidRequest(message, param=param)
         _refused(request, invalid)
         return error_response(invalid, routing, request.url.path in ANTHROPIC_PATHS)
@@ -276,17 +351,7 @@ def _refused(request: Request, err: GatewayError) -> None:
     """The request line of a generation request that failed before the core logged it."""
     endpoint = GENERATION_ENDPOINTS.get(request.url.path)
     if endpoint:
-        request_log.refused_at_edge(_request_id(request), endpoint, err)
-
-
-def _chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
-    """A chat body built in the gateway (vLLM's Anthropic conversion), validated as the chat
-    route's body is."""
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as err:
-        message, param = fmt.validation_message(err.errors())
-        raise InvalidRequest(message, param=param) from err
+        request_log.refused_at_edge(_request_id(request), endpoint, err, _received_at(request))
 
 
 async def _json_body(request: Request) -> Any:
@@ -308,32 +373,30 @@ def _request_id(request: Request, chosen: str | None = None) -> str:
 async def _serve_chat(
     service: GenerationService,
     request: Request,
-    body: ChatCompletionRequest,
-    raw: Mapping[str, Any],
+    body: Mapping[str, Any],
     endpoint: str,
     anthropic: AnthropicApi | None = None,
 ) -> Response:
-    """A chat request (``raw``: the body vLLM's parsers read) through the core."""
-    params = body.sampling_params()
-    parsed = await parse_chat(service.chat_parsing, service.offload, raw, params)
+    """A chat request through vLLM's renderer and the core."""
+    renderer = await service.renderer.get()
+    chat, rendered = await renderer.chat(body, service.pool.max_model_len())
+    _check_choices(chat.n)
+    parsed = renderer.parsed(chat)
     parent = GenerateRequest(
-        _request_id(request, body.request_id), body.to_prompt(), params, body.model or "",
-        endpoint,
+        _request_id(request, _chosen_id(body)), Prompt(token_ids=tuple(rendered.token_ids)),
+        rendered.params, chat.model or "", endpoint,
         slo=service.settings.slo.with_headers(request.headers),
+        received_at=_received_at(request),
     )  # fmt: skip
-    specs = choice_specs(parent, [parent.prompt], body.n)
-    return await _serve(
-        service, request, specs, body, chat=True, parsed=parsed, anthropic=anthropic
-    )
+    specs = choice_specs(parent, [parent.prompt], chat.n)
+    return await _serve(service, request, specs, chat_shape(chat), parsed, anthropic)
 
 
 async def _serve(
     service: GenerationService,
     request: Request,
     specs: list[ChoiceSpec],
-    body: CompletionRequest | ChatCompletionRequest,
-    *,
-    chat: bool,
+    shape: AnswerShape,
     parsed: ParsedChat | None = None,
     anthropic: AnthropicApi | None = None,
 ) -> Response:
@@ -341,11 +404,11 @@ async def _serve(
     shaper = fmt.ChunkShaper(
         _request_id(request),
         service.model_name,
-        chat=chat,
-        include_usage=body.include_usage,
-        return_token_ids=bool(body.return_token_ids),
-        echoed=body.echoed() if isinstance(body, ChatCompletionRequest) else "",
-        role=body.answer_role() if isinstance(body, ChatCompletionRequest) else "assistant",
+        chat=shape.chat,
+        include_usage=shape.include_usage,
+        return_token_ids=shape.return_token_ids,
+        echoed=shape.echoed,
+        role=shape.role,
     )
     generations = await _unless_disconnected(request, start_all(service, specs))
     if generations is None:
@@ -355,17 +418,15 @@ async def _serve(
         shaper,
         specs,
         generations,
-        echo=isinstance(body, CompletionRequest) and body.echo,
-        prompt_only=isinstance(body, CompletionRequest) and body.prompt_only,
-        continuous_usage=body.continuous_usage,
-        logprobs=body.logprobs_count(),
-        tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        echo=shape.echo,
+        prompt_only=shape.prompt_only,
+        continuous_usage=shape.continuous_usage,
+        logprobs=shape.logprobs,
+        tokens_as_ids=shape.tokens_as_ids,
         parsed=parsed,
-        prompt_logprobs=(
-            body.prompt_logprobs_count() if isinstance(body, ChatCompletionRequest) else None
-        ),
+        prompt_logprobs=shape.prompt_logprobs,
     )
-    if body.stream:
+    if shape.stream:
         events = responder.sse() if anthropic is None else anthropic.events(responder.sse())
         return _GenerationStream(responder, events)
     result = await _unless_disconnected(request, responder.whole())

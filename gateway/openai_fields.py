@@ -1,11 +1,14 @@
-"""vLLM's request fields that the gateway does not honour yet: refused, never dropped.
+"""Every field of vLLM's request models is honoured or refused, never dropped.
 
-``vllm serve`` 0.32 accepts these fields on ``/v1/chat/completions`` and ``/v1/completions``.
-A request that sets one to anything but vLLM's default gets a 400 naming the field, so a
-client never silently gets something else than it asked for. Fields outside vLLM's request
-models are ignored, as vLLM ignores them. Every field of vLLM's models is either a field of
-``gateway.openai_models`` (honoured) or listed here;
-``tests/unit/test_openai_fields.py`` fails when vLLM gains one that is neither.
+vLLM's renderer (``gateway.render``) reads each request with vLLM's own ``ChatCompletionRequest``
+or ``CompletionRequest``: what it turns into the prompt's token ids or into ``SamplingParams``
+(carried to the workers field by field, ``gateway.vllm_params``, which refuses any sampling
+field it cannot carry) is honoured, and so are the fields that shape the answer, which the
+gateway reads (``gateway.openai_request``). The fields pdserve does not serve yet, or that cannot
+work under disaggregation, are refused with a 400 naming them when a request sets one to
+anything but vLLM's default. Fields outside vLLM's request models are ignored, as vLLM ignores
+them. ``tests/unit/test_openai_fields.py`` fails when vLLM gains a field that is in neither
+list.
 """
 
 from __future__ import annotations
@@ -17,6 +20,30 @@ from gateway.errors import InvalidRequest
 
 _LATER = "not supported by pdserve yet"
 _PD = "not available under disaggregated serving: pdserve moves the KV itself"
+
+# vLLM's fields that its renderer turns into the prompt or the sampling parameters, or that
+# the gateway's answer reads. Both endpoints.
+HONOURED_COMMON = frozenset(
+    {
+        # the prompt
+        "add_special_tokens", "truncate_prompt_tokens", "truncation_side", "cache_salt",
+        # sampling (gateway.vllm_params)
+        "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+        "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+        "include_stop_str_in_output", "allowed_token_ids", "bad_words", "logit_bias",
+        "response_format", "structured_outputs", "vllm_xargs", "logprobs",
+        # the answer (gateway.openai_request)
+        "model", "request_id", "stream", "stream_options", "echo", "return_token_ids",
+        "return_tokens_as_token_ids", "user",
+    }
+)  # fmt: skip
+HONOURED_CHAT = HONOURED_COMMON | {
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "include_reasoning",
+    "add_generation_prompt", "continue_final_message", "documents", "chat_template",
+    "chat_template_kwargs", "reasoning_effort", "max_completion_tokens", "top_logprobs",
+}  # fmt: skip
+HONOURED_COMPLETION = HONOURED_COMMON | {"prompt", "suffix"}
 
 # field -> (vLLM's default, why it is refused). Both endpoints.
 COMMON: dict[str, tuple[Any, str]] = {
@@ -50,7 +77,7 @@ COMPLETION: dict[str, tuple[Any, str]] = {
     "prompt_embeds": (None, "prompt embeddings are " + _LATER),
 }
 
-# vLLM's StructuredOutputsParams fields beyond the one kind the gateway passes on.
+# vLLM's StructuredOutputsParams fields beyond the one kind the workers are given.
 STRUCTURED: dict[str, tuple[Any, str]] = {
     "disable_any_whitespace": (False, _LATER),
     "disable_additional_properties": (False, _LATER),

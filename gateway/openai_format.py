@@ -68,25 +68,6 @@ def models_body(models: Sequence[ModelInfo]) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """A one-line message and the offending field from pydantic/FastAPI validation errors."""
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    if loc and loc[0] == "body":
-        loc = loc[1:]
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    if param is None and first.get("type") == "missing":
-        return "the request body is missing", None
-    if param is None:
-        return "the request body must be a JSON object", None
-    message = str(first.get("msg", "invalid value"))
-    return (f"{param}: {message}" if param else message), param
-
-
 @dataclass
 class ChoiceResult:
     """One finished choice of a non-streamed response."""

@@ -88,23 +88,3 @@ def resolve_max_tokens(
     wanted = params.max_tokens or default_max_tokens or room
     resolved.max_tokens = min(wanted, room) if room else wanted
     return resolved
-
-
-def truncate_prompt(
-    token_ids: list[int], keep: int | None, side: str, max_model_len: int
-) -> list[int]:
-    """The prompt as vLLM's ``truncate_prompt_tokens`` leaves it: at most ``keep`` tokens (-1:
-    the context less one), the last ones for ``side`` "left", the first ones for "right"."""
-    if keep is None:
-        return token_ids
-    if max_model_len and keep > max_model_len:
-        raise InvalidRequest(
-            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
-            f"= {max_model_len}. Please request a smaller truncation size.",
-            param="truncate_prompt_tokens",
-        )
-    if keep < 0:
-        keep = max_model_len - 1 if max_model_len else len(token_ids)
-    if keep >= len(token_ids):
-        return token_ids
-    return token_ids[len(token_ids) - keep :] if side == "left" else token_ids[:keep]

@@ -171,10 +171,12 @@ def refused(
     )
 
 
-def refused_at_edge(request_id: str, endpoint: str, err: GatewayError) -> None:
-    """The line of a request its adapter refused, unless the core has written one (the error
-    came from there)."""
+def refused_at_edge(
+    request_id: str, endpoint: str, err: GatewayError, received_at: float | None = None
+) -> None:
+    """The line of a request its adapter refused (e.g. vLLM's renderer refused its body),
+    unless the core has written one (the error came from there)."""
     lines = _lines.get()
     if lines is not None and lines.written:
         return
-    refused(request_id, endpoint, outcome_for(err))
+    refused(request_id, endpoint, outcome_for(err), received_at=received_at)

@@ -18,7 +18,6 @@ import uvicorn
 from grpc_health.v1 import health_pb2
 
 from gateway.auth import ApiKeys
-from gateway.chat_parsing import load_parsing
 from gateway.config import GatewaySettings
 from gateway.discovery import RegistryDiscovery
 from gateway.grpc_api import SERVICE_NAME, GenerationServicer
@@ -118,7 +117,6 @@ class GatewayServer:
             from gateway.tokenizer import HfTokenizer
 
             self._tokenizer = HfTokenizer(model_dir)
-        chat_parsing = load_parsing(self.settings.parsers(), model_dir, self.pool.model_name)
         return GenerationService(
             self.settings,
             model_name=self.settings.model_name(model_dir),
@@ -130,13 +128,33 @@ class GatewayServer:
             ),
             metrics=self.metrics,
             offload=self.offload,
-            chat_parsing=chat_parsing,
         )
 
     async def start(self) -> None:
         """Bind HTTP and gRPC first (port 0 works; clients get 503 until a decode worker is
-        healthy), then the first worker health check and discovery, each bounded."""
+        healthy), then the first worker health check and discovery, each bounded. vLLM's
+        front end (seconds: it imports torch) builds in a thread meanwhile; ``start`` returns
+        once it can render."""
         service = self.service = self._build_service()
+        renderer = asyncio.ensure_future(service.renderer.get())
+        try:
+            await self._start_serving(service)
+            await renderer  # e.g. a parser name vLLM does not know: ValueError
+        except BaseException:
+            renderer.cancel()
+            await asyncio.gather(renderer, return_exceptions=True)
+            await self.stop(grace_s=0)  # nothing it started outlives the failed start
+            raise
+        log.info(
+            "gateway serving model %s: HTTP on %s:%d, gRPC on %s:%d",
+            service.model_name,
+            self.settings.http_host,
+            self.http_port,
+            self.settings.http_host,
+            self.grpc_port,
+        )
+
+    async def _start_serving(self, service: GenerationService) -> None:
         await self._start_http(service)
         servicer = GenerationServicer(service, self.api_keys)
         self._grpc = GrpcServer(
@@ -154,14 +172,6 @@ class GatewayServer:
             await self.discovery.start(_REDIS_TIMEOUT_S * 2 + self.settings.control_timeout_s + 1.0)
         if self.shared_load is not None:
             self.shared_load.start()
-        log.info(
-            "gateway serving model %s: HTTP on %s:%d, gRPC on %s:%d",
-            service.model_name,
-            self.settings.http_host,
-            self.http_port,
-            self.settings.http_host,
-            self.grpc_port,
-        )
 
     async def _start_http(self, service: GenerationService) -> None:
         sock = _bind(self.settings.http_host, self.settings.http_port)

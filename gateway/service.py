@@ -18,13 +18,12 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from decode_service.client import DecodeClient
 from gateway import request_log
-from gateway.chat_parsing import ChatParsing
 from gateway.config import GatewaySettings
 from gateway.errors import (
     GatewayError,
@@ -35,11 +34,12 @@ from gateway.errors import (
 )
 from gateway.events import Event, outcome_for
 from gateway.generation import AnyWorker, Generation
-from gateway.interfaces import DEFAULT_CHAT, ChatOptions, PromptTokenizer
+from gateway.interfaces import PromptTokenizer
 from gateway.metrics import GatewayMetrics
-from gateway.offload import Offload
-from gateway.params import check_sampling, resolve_max_tokens, truncate_prompt
+from gateway.offload import BuiltOnce, Offload
+from gateway.params import check_sampling, resolve_max_tokens
 from gateway.pool import WorkerPool
+from gateway.render import Renderer, shared_renderer
 from gateway.routing.interfaces import Picker, Route, RouteRequest
 from gateway.routing.split import SplitPolicy
 from gateway.sampling_defaults import load_defaults, with_defaults
@@ -65,13 +65,6 @@ def edge_request_id(candidate: str | None) -> str:
     return uuid.uuid4().hex
 
 
-# vLLM's answer to a request's own chat template without --trust-request-chat-template.
-UNTRUSTED_TEMPLATE = (
-    "Chat template is passed with request, but --trust-request-chat-template is not set. "
-    "Refused request with untrusted chat template."
-)
-
-
 def chosen_request_id(candidate: str) -> str:
     """A request id the client chose in the body (vLLM's ``request_id`` field): kept when it
     is a sane token, as ``x-request-id`` is; else a 400 naming the field."""
@@ -90,21 +83,12 @@ def internal_request_id() -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Exactly one of: completion text, token ids (used as given), chat messages.
+    """A prompt as the workers get it: token ids, rendered by vLLM's renderer
+    (``gateway.render``) or given by a gRPC client. ``text``: a completion prompt's text as
+    the client sent it (``echo`` answers with it)."""
 
-    ``tools`` (chat only): OpenAI tool definitions handed to the chat template; ``chat``: how
-    the chat is rendered; ``add_special_tokens`` (text only): as vLLM's field."""
-
+    token_ids: tuple[int, ...]
     text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    messages: tuple[Mapping[str, Any], ...] | None = None
-    tools: tuple[Mapping[str, Any], ...] | None = None
-    chat: ChatOptions = DEFAULT_CHAT
-    add_special_tokens: bool = True
-    # vLLM's truncate_prompt_tokens (None: no truncation) and truncation_side (None: the
-    # tokenizer's own side)
-    truncate: int | None = None
-    truncation_side: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,16 +156,19 @@ class GenerationService:
         picker: Picker,
         metrics: GatewayMetrics,
         offload: Offload | None = None,
-        chat_parsing: ChatParsing | None = None,
     ) -> None:
-        """``chat_parsing``: vLLM's tool-call and reasoning parsers, when configured."""
         self.settings = settings
-        self.chat_parsing = chat_parsing
         # Chat templates and tokenization run here, off the event loop (None: inline).
         self.offload = offload or Offload(0)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.sampling_defaults = load_defaults(settings.generation_config, tokenizer.model_dir)
+        # vLLM's own front end renders the OpenAI requests (gateway.render): built once, in a
+        # thread, on first use (``start`` asks for it at once: vLLM's import takes seconds).
+        args = settings.vllm_args(model_name)
+        self.renderer: BuiltOnce[Renderer] = BuiltOnce(
+            lambda: shared_renderer(tokenizer.model_dir, args)
+        )
         self.pool = pool
         self.picker = picker
         self.split = SplitPolicy(settings.disagg_policy, metrics)
@@ -230,22 +217,11 @@ class GenerationService:
                 self.active += len(requests)
                 slots = len(requests)
             with tracing.step("tokenize") as span:
-                token_ids = await self.offload.run(self.tokenize, lead.prompt)
-                if lead.prompt.truncate is not None:
-                    token_ids = truncate_prompt(
-                        token_ids,
-                        lead.prompt.truncate,
-                        lead.prompt.truncation_side or self.tokenizer.truncation_side,
-                        self.pool.max_model_len(),
-                    )
+                token_ids = self.check_prompt(lead.prompt)
                 span.set_attribute("pdserve.prompt_tokens", len(token_ids))
             params = [
                 resolve_max_tokens(
-                    s,
-                    len(token_ids),
-                    self.pool.max_model_len(),
-                    self.settings.default_max_tokens,
-                    prompt_param="messages" if lead.prompt.messages is not None else "prompt",
+                    s, len(token_ids), self.pool.max_model_len(), self.settings.default_max_tokens
                 )
                 for s in sampling
             ]
@@ -360,30 +336,17 @@ class GenerationService:
         if model and model != self.model_name:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids as the workers will see them (checked, never empty)."""
-        if prompt.messages is not None:
-            if not prompt.messages:
-                raise InvalidRequest("messages must not be empty", param="messages")
-            if prompt.chat.template is not None and not self.settings.trust_request_chat_template:
-                raise InvalidRequest(UNTRUSTED_TEMPLATE, param="chat_template")
-            tools = [dict(t) for t in prompt.tools] if prompt.tools else None
-            messages = [dict(m) for m in prompt.messages]
-            return self.tokenizer.encode_chat(messages, tools=tools, options=prompt.chat)
-        if prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-            vocab = self.tokenizer.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(
-                    f"token id {bad[0]} is out of vocabulary (size {vocab})", param="prompt"
-                )
-        elif prompt.text is not None:
-            ids = self.tokenizer.encode_text(prompt.text, prompt.add_special_tokens)
-        else:
-            raise InvalidRequest("the request has no prompt", param="prompt")
+    def check_prompt(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, checked: never empty, every id in the vocabulary."""
+        ids = list(prompt.token_ids)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(
+                f"token id {bad[0]} is out of vocabulary (size {vocab})", param="prompt"
+            )
         return ids
 
     async def _route(

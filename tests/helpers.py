@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import httpx
 
 from gateway.config import GatewaySettings
+from gateway.render import Renderer, shared_renderer
 from gateway.server import GatewayServer
 from gateway.tokenizer import HfTokenizer
 from pdserve.bench.fake_worker import FakeDecode, FakePrefill, start_worker
@@ -153,6 +154,24 @@ def cpu_engine_args(user: list[str], role: str = "") -> Any:
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="t"))
     defaults = [*COMMON_DEFAULT_ARGS, *cpu_default_args(user, role)[0]]
     return parser.parse_args(["--model", "m", *defaults, *user])
+
+
+def chat_ids(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """transformers' own rendering of a chat with the model's template (generation prompt
+    added, no extra special tokens): the reference the ids the gateway sends must equal."""
+    tok = tokenizer()._tok
+    text = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+@functools.cache
+def renderer() -> Renderer:
+    """vLLM's renderer of the default model with the gateway's default flags."""
+    return shared_renderer(model_dir(), GatewaySettings().vllm_args(served_name()))
 
 
 def served_name() -> str:

@@ -16,8 +16,8 @@
   memory growth and p99 drift.
 - ``pdserve bench fleet``: N fake workers, M gateway replicas and one Redis at a fixed request
   rate: routing time, Redis load and memory, stickiness of conversations, spread, against N.
-- ``pdserve bench render``: CPU per request of vLLM's own front end (its render server's
-  ``ServingRender``) against the gateway's own rendering, in the same run.
+- ``pdserve bench derender``: CPU per streamed token of vLLM's own derenderer against the
+  gateway's answer, with and without a tool-call parser, in the same run.
 - ``pdserve bench gpu``: the GPU path end to end on one GPU (NIXL), greedy parity with
   ``vllm serve``, KV GB/s, then ``bench serve`` (needs an NVIDIA GPU; not run in CI).
 """
@@ -40,7 +40,7 @@ BENCHES = {
     "tier": "pdserve.bench.tier",
     "fleet": "pdserve.bench.fleet",
     "gpu": "pdserve.bench.gpu",
-    "render": "pdserve.bench.render",
+    "derender": "pdserve.bench.derender",
 }
 
 

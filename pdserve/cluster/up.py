@@ -121,11 +121,14 @@ def worker_spec(
 
 
 def parser_flags(s: UpSettings) -> list[str]:
-    """The gateway's flags for vLLM's chat output parsers (and vLLM's tokenizer info)."""
+    """The gateway's flags for vLLM's front end: its chat template, its chat output parsers,
+    vLLM's tokenizer info."""
     flags = ["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else []
     if s.reasoning_parser:
         flags += ["--reasoning-parser", s.reasoning_parser]
     flags += ["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else []
+    flags += ["--chat-template", s.chat_template] if s.chat_template else []
+    flags += ["--trust-request-chat-template"] if s.trust_request_chat_template else []
     return flags + (
         ["--enable-tokenizer-info-endpoint"] if s.enable_tokenizer_info_endpoint else []
     )

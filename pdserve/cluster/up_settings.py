@@ -24,6 +24,12 @@ class UpSettings(BaseSettings):
         description="the gateway's sampling defaults, as vLLM's flag: auto (the model's "
         "generation_config.json), vllm (none) or a directory holding one",
     )
+    chat_template: str = Field(
+        "", description="the gateway's chat template, as vLLM's flag (empty: the model's)"
+    )
+    trust_request_chat_template: bool = Field(
+        False, description="the gateway renders a request's own chat_template (vLLM's flag)"
+    )
     tool_call_parser: str = Field(
         "", description="the gateway's vLLM tool-call parser, e.g. hermes (empty: none)"
     )

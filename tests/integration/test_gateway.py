@@ -7,7 +7,7 @@ from importlib import metadata
 import httpx
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN
-from tests.helpers import gateway_cluster, model_dir, parse_sse, served_name, tokenizer
+from tests.helpers import chat_ids, gateway_cluster, model_dir, parse_sse, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -26,7 +26,7 @@ async def test_chat_completion_disaggregated() -> None:
     assert body.choices[0].finish_reason == "stop"
     assert body.object == "chat.completion"
 
-    expected_ids = tokenizer().encode_chat(CHAT)
+    expected_ids = chat_ids(CHAT)
     assert c.prefill is not None and c.decode is not None
     (prefill_req,) = c.prefill.seen.requests
     (decode_req,) = c.decode.seen.requests
@@ -173,7 +173,7 @@ async def test_models_health_and_metrics() -> None:
     assert health.status_code == 200 and health.json()["healthy_decode_workers"] == 1
     labels = 'endpoint="chat_completions",outcome="ok",path="disaggregated"'
     assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
-    prompt_len = len(tokenizer().encode_chat(CHAT))
+    prompt_len = len(chat_ids(CHAT))
     kv_bytes = float((prompt_len - 1) * KV_BYTES_PER_TOKEN)
     assert f"pdserve_gateway_kv_transfer_bytes_total {kv_bytes}" in metrics
     assert "pdserve_gateway_kv_transfer_seconds_count 1.0" in metrics

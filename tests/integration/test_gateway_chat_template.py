@@ -8,13 +8,17 @@ import grpc
 import httpx
 import pytest
 
-from gateway.service import UNTRUSTED_TEMPLATE
 from protos.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import gateway_cluster, tokenizer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 RENDERED = "<user>Hi"
+# vLLM's answer to a request's own chat template without --trust-request-chat-template.
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
 
 
 async def test_an_untrusted_request_template_is_vllms_400() -> None:

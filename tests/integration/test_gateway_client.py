@@ -14,7 +14,7 @@ import pytest
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
 from pdserve.cli.client import GatewayCallError, GatewayClient
 from protos.v1 import generate_pb2, generate_pb2_grpc
-from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
+from tests.helpers import chat_ids, dead_address, gateway_cluster, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -33,7 +33,7 @@ async def test_client_generate_tokenize_and_models() -> None:
     assert text == ANSWER and last.finish_reason == "stop"
     assert last.usage is not None and last.usage.completion_tokens == 4
     assert [lp.token_id for p in pieces for lp in p.logprobs] == [t for t, _ in DEFAULT_PIECES]
-    assert ids == tokenizer().encode_chat(CHAT)
+    assert ids == chat_ids(CHAT)
     assert [m.id for m in models] == [served_name()]
     assert missing.value.code == "NOT_FOUND"
     assert empty.value.code == "INVALID_ARGUMENT"
@@ -49,7 +49,7 @@ async def test_grpc_tokenize_takes_the_tools_generate_takes() -> None:
         request.tools_json = "[not json"
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await stub.Tokenize(request)
-    assert list(reply.token_ids) == tokenizer().encode_chat(CHAT, tools=tools)
+    assert list(reply.token_ids) == chat_ids(CHAT, tools=tools)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tools_json" in (bad.value.details() or "")
 

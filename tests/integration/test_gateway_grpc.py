@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN, FakeDecode
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.helpers import dead_address, gateway_cluster, served_name, tokenizer
+from tests.helpers import chat_ids, dead_address, gateway_cluster, served_name, tokenizer
 
 CHAT = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content="Hi!")])
 
@@ -42,7 +42,7 @@ async def test_generate_chat_streams_tokens_then_final() -> None:
     assert "".join(r.text for r in tokens) == "".join(text for _, text in DEFAULT_PIECES)
     assert all(not r.finish_reason for r in tokens)
     assert final.finish_reason == "stop" and not final.token_ids
-    ids = tokenizer().encode_chat([{"role": "user", "content": "Hi!"}])
+    ids = chat_ids([{"role": "user", "content": "Hi!"}])
     assert final.usage.prompt_tokens == len(ids)
     assert final.usage.completion_tokens == len(DEFAULT_PIECES)
     assert final.usage.cached_tokens == 3

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES
-from tests.helpers import gateway_cluster, served_name, tokenizer
+from tests.helpers import chat_ids, gateway_cluster, served_name
 from tests.integration.test_gateway_tools import CALL, HERMES, TWO_CALLS, scripted
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
@@ -58,7 +58,7 @@ async def test_a_message_whole_and_streamed() -> None:
     assert message["stop_reason"] == "end_turn"
     usage = message["usage"]  # Anthropic's: the cache reads apart from the input tokens
     read = usage.get("cache_read_input_tokens", 0)
-    assert usage["input_tokens"] + read == len(tokenizer().encode_chat(prompt))
+    assert usage["input_tokens"] + read == len(chat_ids(prompt))
     assert usage["output_tokens"] == len(DEFAULT_PIECES)
     assert whole.headers["x-request-id"]
     events = events_of(streamed.text)
@@ -77,7 +77,7 @@ async def test_count_tokens_is_the_prompt_the_workers_get() -> None:
         whole = await _messages(c.base_url, system="Be brief.")
         unknown = await http.post("/v1/messages/count_tokens", json={**body, "model": "x"})
     prompt = [{"role": "system", "content": "Be brief."}, *HI]
-    assert counted.json()["input_tokens"] == len(tokenizer().encode_chat(prompt))
+    assert counted.json()["input_tokens"] == len(chat_ids(prompt))
     assert c.prefill is not None
     assert counted.json()["input_tokens"] == len(c.prefill.seen.requests[-1].prompt_token_ids)
     assert whole.status_code == 200

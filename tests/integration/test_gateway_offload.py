@@ -36,13 +36,13 @@ async def test_the_loop_runs_while_a_long_prompt_encodes() -> None:
 async def test_threads_share_one_tokenizer_without_errors() -> None:
     tok = tokenizer()
     texts = [f"Entry {k}: item {k * 7} costs {k % 97} coins. " * 50 for k in range(64)]
-    chats = [[{"role": "user", "content": t}] for t in texts]
+    ids = [tok.encode_text(t) for t in texts]
     offload = Offload(8)
     try:
         got = await asyncio.gather(
             *(offload.run(tok.encode_text, t) for t in texts),
-            *(offload.run(tok.encode_chat, c) for c in chats),
+            *(offload.run(tok.decode, i) for i in ids),
         )
     finally:
         offload.close()
-    assert got == [tok.encode_text(t) for t in texts] + [tok.encode_chat(c) for c in chats]
+    assert got == ids + [tok.decode(i) for i in ids]

@@ -3,21 +3,23 @@ logits processors read it), beside pdserve's own KV hand-off, which wins a name 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from gateway.openai_models import ChatCompletionRequest
 from pdserve.worker.errors import InvalidRequest
 from pdserve.worker.sampling import to_vllm
 from protos.v1 import common_pb2
+from tests.helpers import renderer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_xargs_travel_from_the_request_to_the_engines_extra_args() -> None:
     xargs = {"target_token": 7, "words": ["a", "b"], "kv_transfer_params": "theirs"}
-    params = ChatCompletionRequest(messages=MESSAGES, vllm_xargs=xargs).sampling_params()  # type: ignore[arg-type]
+    _, rendered = asyncio.run(renderer().chat({"messages": MESSAGES, "vllm_xargs": xargs}))
+    params = rendered.params
     assert json.loads(params.vllm_xargs_json) == xargs
     ours = {"kv_transfer_params": {"do_remote_prefill": True}}
     sampling = to_vllm(params, 100, 10, extra_args=ours)
