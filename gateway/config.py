@@ -115,8 +115,8 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(
         default=0,
         ge=0,
-        description="max_tokens when a request has none and the generation config gives none "
-        "(0: up to the context length)",
+        description="max_tokens of a gRPC request that has none when the generation config "
+        "gives none (0: up to the context length; OpenAI requests follow vLLM's rules)",
     )
     generation_config: str = Field(
         default="auto",

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openai_format as fmt
@@ -103,6 +104,8 @@ class RequestIdMiddleware:
             """``app``, where an unexpected error is a 500 and the connection stays open."""
             try:
                 await app(scope, receive, send_with_id)
+            except ClientDisconnect:  # gone while its body was read: nobody to answer
+                log.info("request %s: client disconnected", state["request_id"])
             except Exception:
                 if status["code"]:
                     raise  # the response has begun: the server can only close it

@@ -109,6 +109,13 @@ class Renderer:
         )
         return request, [self._rendered(r) for r in results]
 
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """The model's sampling defaults as vLLM reads them (``--generation-config``: its
+        ``generation_config.json``; ``max_tokens`` from ``max_new_tokens``)."""
+        defaults: dict[str, Any] = self._serving.default_sampling_params
+        return defaults
+
     def parsed(self, chat: Any) -> ParsedChat | None:
         """vLLM's parsers of ``chat``'s choices (vLLM's rendered request); None: no parser."""
         return None if self.parsing is None else self.parsing.parsed(chat)

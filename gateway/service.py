@@ -42,7 +42,7 @@ from gateway.pool import WorkerPool
 from gateway.render import Renderer, shared_renderer
 from gateway.routing.interfaces import Picker, Route, RouteRequest
 from gateway.routing.split import SplitPolicy
-from gateway.sampling_defaults import load_defaults, with_defaults
+from gateway.sampling_defaults import with_defaults
 from gateway.slo import Slo
 from pdserve.rpc.client import RpcCallError
 from pdserve.telemetry import tracing
@@ -162,7 +162,6 @@ class GenerationService:
         self.offload = offload or Offload(0)
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.sampling_defaults = load_defaults(settings.generation_config, tokenizer.model_dir)
         # vLLM's own front end renders the OpenAI requests (gateway.render): built once, in a
         # thread, on first use (``start`` asks for it at once: vLLM's import takes seconds).
         args = settings.vllm_args(model_name)
@@ -207,8 +206,10 @@ class GenerationService:
         try:
             with tracing.step("admission"):
                 self._check_model(lead.model)
-                # the request's values, else the model's generation config (as vLLM)
-                sampling = [with_defaults(r.params, self.sampling_defaults) for r in requests]
+                # the request's values, else the model's generation config as vLLM reads it
+                # (what vLLM's renderer made of an OpenAI request has them already)
+                defaults = (await self.renderer.get()).default_sampling_params
+                sampling = [with_defaults(r.params, defaults) for r in requests]
                 for s in sampling:
                     check_sampling(s)
                 self._admit(len(requests))

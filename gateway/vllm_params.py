@@ -12,23 +12,8 @@ import json
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from pdserve.sampling_fields import OPTIONAL
 from protos.v1 import common_pb2
-
-_OPTIONAL = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logprobs",
-    "prompt_logprobs",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-)
 
 # vLLM's SamplingParams fields that are not a request's to choose: the gateway's (one
 # generation per choice), the workers' (how their engines stream, clone and detokenize) or
@@ -45,7 +30,7 @@ NOT_CARRIED = frozenset(
 )
 CARRIED = frozenset(
     {
-        *_OPTIONAL,
+        *OPTIONAL,
         "max_tokens",
         "stop",
         "stop_token_ids",
@@ -78,7 +63,7 @@ def to_wire(params: Any, cache_salt: str | None = None) -> common_pb2.SamplingPa
         bad_words=list(params.bad_words or []),
         cache_salt=cache_salt,
     )
-    for name in _OPTIONAL:
+    for name in OPTIONAL:
         value = getattr(params, name)
         if value is None:
             continue

@@ -5,24 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pdserve.sampling_fields import OPTIONAL
 from pdserve.worker.errors import InvalidRequest
 from protos.v1 import common_pb2
-
-_OPTIONAL = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logprobs",
-    "prompt_logprobs",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-)
 
 
 def to_vllm(
@@ -31,7 +16,7 @@ def to_vllm(
     """vLLM SamplingParams; ``extra`` sets fields such as ``output_kind`` or ``extra_args``."""
     from vllm import SamplingParams
 
-    kwargs: dict[str, Any] = {f: getattr(params, f) for f in _OPTIONAL if params.HasField(f)}
+    kwargs: dict[str, Any] = {f: getattr(params, f) for f in OPTIONAL if params.HasField(f)}
     room = max_model_len - prompt_len
     if room <= 0:
         raise InvalidRequest(

@@ -146,6 +146,7 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "error_chat_template_untrusted": (CHAT, _chat(chat_template="{{ messages }}")),
     "error_temperature": (CHAT, _chat(temperature=-1)),
     "error_no_messages": (CHAT, {"max_tokens": 4}),
+    "error_n_greedy": (COMPLETIONS, _completion(n=2)),  # vLLM: n must be 1 when greedy
     "error_tool_choice": (CHAT, _chat(tools=[WEATHER], tool_choice="sometimes")),
     "error_unknown_model": (CHAT, {**_chat(), "model": "no-such-model"}),
     "models": ("/v1/models", None),

@@ -26,6 +26,9 @@ from tests.e2e.conftest import RealCluster, metric_sum
 from tests.helpers import model_dir, served_name
 
 LOGPROB_TOLERANCE = 0.05
+# The greedy text through n > 1 choices: vLLM refuses n > 1 when greedy (temperature 0), and
+# sampling at temperature 1 among the single likeliest token picks what greedy picks.
+TOP_1 = {"temperature": 1.0, "top_k": 1}
 
 
 def _openai(cluster: RealCluster) -> Any:
@@ -106,8 +109,10 @@ def test_stop_token_ids_n_prompt_lists_and_echo(
     assert stopped.usage.completion_tokens == plain["token_ids"].index(stop_id) + 1
     # vLLM's stop_reason for a stop token is the token id itself, a number
     assert stopped.choices[0].model_extra["stop_reason"] == stop_id  # type: ignore[index]
+    # vLLM refuses n > 1 with greedy sampling (vllm serve too: conformance case
+    # error_n_greedy); top_k 1 samples the likeliest token: each choice is the greedy text
     many = client.completions.create(
-        model=served_name(), prompt=[TEXT, TEXT], n=2, max_tokens=24, temperature=0
+        model=served_name(), prompt=[TEXT, TEXT], n=2, max_tokens=24, extra_body=TOP_1
     )
     assert [c.text for c in many.choices] == [plain["text"]] * 4
     assert many.usage is not None and many.usage.completion_tokens == 4 * len(plain["token_ids"])
@@ -213,7 +218,7 @@ def test_n_choices_cost_one_prefill_and_one_kv_transfer(cluster: RealCluster) ->
     )
     before = counts()
     many = client.completions.create(
-        model=served_name(), prompt=prompt, n=4, max_tokens=12, temperature=0
+        model=served_name(), prompt=prompt, n=4, max_tokens=12, extra_body=TOP_1
     )
     after = counts()
     prefills, transfers, disaggregated, siblings = (
@@ -232,7 +237,7 @@ async def test_async_client_streams_n_choices_with_tools(
 
     client = AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
     stream = await client.completions.create(
-        model=served_name(), prompt=TEXT, n=2, max_tokens=24, temperature=0, stream=True
+        model=served_name(), prompt=TEXT, n=2, max_tokens=24, stream=True, extra_body=TOP_1
     )
     texts = ["", ""]
     async for chunk in stream:

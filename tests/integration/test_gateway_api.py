@@ -7,11 +7,13 @@ import asyncio
 import json
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
+from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.helpers import GatedDecode, chat_ids, gateway_cluster, parse_sse, served_name, tokenizer
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
@@ -364,10 +366,17 @@ async def test_a_generation_config_gives_the_workers_its_defaults(tmp_path: Any)
         assert (await http.post("/v1/completions", json=body)).status_code == 200
         body = {**body, "temperature": 0.9}
         assert (await http.post("/v1/completions", json=body)).status_code == 200
+        async with grpc.aio.insecure_channel(c.grpc_target) as channel:
+            request = generate_pb2.GenerateRequest(
+                text="x", params=common_pb2.SamplingParams(max_tokens=2)
+            )
+            replies = [r async for r in generate_pb2_grpc.GenerationStub(channel).Generate(request)]
+            assert replies[-1].finish_reason
     assert c.decode is not None
-    first, second = (r.params for r in c.decode.seen.requests)
+    first, second, over_grpc = (r.params for r in c.decode.seen.requests)
     assert first.temperature == pytest.approx(0.25) and first.top_k == 3
     assert second.temperature == pytest.approx(0.9) and second.top_k == 3
+    assert over_grpc.temperature == pytest.approx(0.25) and over_grpc.top_k == 3
 
 
 async def test_return_token_ids_streamed_and_whole() -> None:
