@@ -308,8 +308,10 @@ def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = len(service.pool.healthy_decode())
+        ready = service.ready()  # and vLLM's front end can render
         body = {
-            "status": "ok" if healthy else "unavailable",
+            "status": "ok" if ready else "unavailable",
+            "renderer": "ready" if service.renderer.built else "starting",
             "healthy_decode_workers": healthy,
             "healthy_prefill_workers": len(service.pool.healthy_prefill()),
             # Workers the gateway will not use: their model, hash seed or key prefix differ.
@@ -323,7 +325,7 @@ def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
                 {"prefill": p, "decode": d, "reason": why} for p, d, why in service.pool.unpaired()
             ],
         }
-        return JSONResponse(body, 200 if healthy else 503)
+        return JSONResponse(body, 200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

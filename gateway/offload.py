@@ -67,6 +67,10 @@ class BuiltOnce(Generic[T]):
                 self._value = self._build_fn()
             return self._value
 
+    @property
+    def built(self) -> bool:
+        return self._value is not None
+
     async def get(self) -> T:
         if self._value is not None:
             return self._value

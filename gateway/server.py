@@ -140,6 +140,7 @@ class GatewayServer:
         try:
             await self._start_serving(service)
             await renderer  # e.g. a parser name vLLM does not know: ValueError
+            self._update_health()  # ready now that it can render
         except BaseException:
             renderer.cancel()
             await asyncio.gather(renderer, return_exceptions=True)

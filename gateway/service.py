@@ -180,8 +180,8 @@ class GenerationService:
         return [ModelInfo(self.model_name, self.pool.max_model_len(), self.tokenizer.model_dir)]
 
     def ready(self) -> bool:
-        """At least one decode worker is healthy."""
-        return bool(self.pool.healthy_decode())
+        """vLLM's front end can render and at least one decode worker is healthy."""
+        return self.renderer.built and bool(self.pool.healthy_decode())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """``start`` and iterate: the simple form for callers that need no status up front."""

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import pytest
 
 from gateway.config import GatewaySettings
 from gateway.discovery import RegistryDiscovery
@@ -80,3 +81,48 @@ async def test_a_registry_that_never_answers_does_not_stop_the_start() -> None:
         async with httpx.AsyncClient() as client:
             reply = await client.get(f"http://127.0.0.1:{gateway.http_port}/health")
         assert reply.status_code == 503
+
+
+async def test_the_gateway_is_unready_until_vllms_front_end_can_render(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's front end builds while the gateway already listens: /health and gRPC health
+    say not ready (the body: renderer "starting") until it can render, then ready."""
+    import threading
+
+    from gateway import service as service_module
+    from pdserve.bench.fake_worker import FakeDecode, start_worker
+
+    built = threading.Event()
+    real = service_module.shared_renderer
+
+    def slow(model: str, args: list[str]) -> object:
+        built.wait(HANG_GUARD_S)
+        return real(model, args)
+
+    monkeypatch.setattr(service_module, "shared_renderer", slow)
+    worker = await start_worker(FakeDecode())
+    settings = GatewaySettings(
+        http_host="127.0.0.1", http_port=0, grpc_port=0, model=model_dir(),
+        decode_workers=[f"127.0.0.1:{worker.port}"], control_timeout_s=1.0,
+    )  # fmt: skip
+    gateway = GatewayServer(settings, tokenizer=tokenizer())
+    starting = asyncio.create_task(gateway.start())
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not gateway.http_port or not gateway.pool.healthy_decode():
+                await asyncio.sleep(0.05)
+            url = f"http://127.0.0.1:{gateway.http_port}/health"
+            waiting = await http.get(url)
+            assert waiting.status_code == 503, waiting.text
+            assert waiting.json()["renderer"] == "starting"
+            assert not starting.done()
+            built.set()
+            await asyncio.wait_for(starting, HANG_GUARD_S)
+            ready = await http.get(url)
+        assert ready.status_code == 200 and ready.json()["renderer"] == "ready"
+    finally:
+        built.set()
+        await asyncio.gather(starting, return_exceptions=True)
+        await gateway.stop(grace_s=0)
+        await worker.stop(0)
