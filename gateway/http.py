@@ -57,7 +57,6 @@ from pdserve.telemetry import tracing
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_CHOICES = 64  # prompts x n in one request
 REQUEST_ID_HEADER = "x-request-id"
 UNTRACED_PATHS = frozenset({"/health", "/metrics"})
 # Route path -> the endpoint label of metrics and request logs.
@@ -184,7 +183,6 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         prompts = [
             Prompt(tuple(r.token_ids), text) for r, text in zip(rendered, texts, strict=True)
         ]
-        _check_choices(len(prompts) * completion.n)
         parent = GenerateRequest(
             _request_id(request, _chosen_id(body)), prompts[0], rendered[0].params,
             completion.model or "", "completions",
@@ -228,13 +226,6 @@ def _body(model: str) -> dict[str, Any]:
     """The OpenAPI entry of a body validated by vLLM's request model (in the handler)."""
     schema = {"$ref": f"#/components/schemas/{model}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _check_choices(total: int) -> None:
-    if total > MAX_CHOICES:
-        raise InvalidRequest(
-            f"at most {MAX_CHOICES} completions (prompts x n) per request", param="n"
-        )
 
 
 def _prompt_texts(prompt: Any, count: int) -> list[str | None]:
@@ -385,7 +376,6 @@ async def _serve_chat(
     """A chat request through vLLM's renderer and the core."""
     renderer = await service.renderer.get()
     chat, rendered = await renderer.chat(body, service.pool.max_model_len())
-    _check_choices(chat.n)
     parsed = renderer.parsed(chat)
     parent = GenerateRequest(
         _request_id(request, _chosen_id(body)), Prompt(token_ids=tuple(rendered.token_ids)),

@@ -94,6 +94,7 @@ class Renderer:
         """vLLM's ``ChatCompletionRequest`` of ``body`` and its rendering."""
         _refuse(body, CHAT)
         request = _validate(self._chat_model, body)
+        _check_choices(request.n)
         result = await self._render(self._serving.render_chat_request, request, max_model_len)
         return request, self._rendered(result)
 
@@ -241,8 +242,22 @@ def _error_response(err: Exception) -> Any:
     return response
 
 
+MAX_CHOICES = 64  # prompts x n in one request
+
+
+def _check_choices(total: int) -> None:
+    """Before anything is rendered: a request's choices are the gateway's generations."""
+    if total > MAX_CHOICES:
+        raise InvalidRequest(
+            f"at most {MAX_CHOICES} completions (prompts x n) per request", param="n"
+        )
+
+
 def _check_completion(request: Any) -> None:
     """What pdserve does not serve yet beyond vLLM's request model."""
+    prompt = request.prompt
+    many = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    _check_choices((len(prompt) if many else 1) * request.n)
     if request.echo and request.return_token_ids:
         raise InvalidRequest(
             "return_token_ids with echo is not supported by pdserve yet", param="return_token_ids"
