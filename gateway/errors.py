@@ -35,7 +35,13 @@ class PromptTooLong(InvalidRequest):
     code = "context_length_exceeded"
 
 
-class ModelNotFound(GatewayError):
+class NotFound(GatewayError):
+    """The request names something the gateway does not have (HTTP 404)."""
+
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
     """The request names a model this gateway does not serve (HTTP 404)."""
 
     code = "model_not_found"

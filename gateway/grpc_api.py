@@ -22,7 +22,7 @@ from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
+    NotFound,
     NoWorkerAvailable,
     Overloaded,
     Unauthenticated,
@@ -43,7 +43,7 @@ AUTHORIZATION_METADATA = "authorization"
 ENDPOINT = "grpc_generate"  # the endpoint label of metrics and request logs
 
 _CODES: list[tuple[type[GatewayError], grpc.StatusCode]] = [
-    (ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),

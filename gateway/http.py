@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``stream: true`` SSE),
 ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API, by vLLM's
-conversion: ``gateway.anthropic_api``),
+conversion: ``gateway.anthropic_api``), ``POST /v1/responses`` (OpenAI's Responses API,
+stateless, answered by vLLM's Responses serving: ``gateway.responses_api``; ``GET
+/v1/responses/{id}`` and its ``cancel``: vLLM's 404, no response is stored),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /load``,
 ``GET /tokenizer_info`` (with ``enable_tokenizer_info_endpoint``: ``gateway.tokenizer_info``),
 ``GET /health``, ``GET /metrics`` and the OpenAPI document at ``/openapi.json``. Every
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from importlib import metadata
 from typing import Annotated, Any, TypeVar
 
@@ -43,6 +45,7 @@ from gateway.http_errors import ERROR_RESPONSES, error_response
 from gateway.offload import BuiltOnce
 from gateway.openai_request import AnswerShape, chat_shape, completion_shape
 from gateway.openai_serving import OpenAIResponder
+from gateway.responses_api import ResponsesApi
 from gateway.service import (
     GenerateRequest,
     GenerationService,
@@ -64,6 +67,7 @@ GENERATION_ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat_completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 _bearer = HTTPBearer(auto_error=False, description="an API key, when the gateway has keys")
@@ -159,10 +163,11 @@ def _document_vllm_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+            from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
             doc = default()
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (ChatCompletionRequest, CompletionRequest):
+            for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(schema.pop("$defs", {}))
                 schemas[model.__name__] = schema
@@ -217,9 +222,56 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         _, rendered = await renderer.chat({"max_tokens": 1, **chat})
         return converter.token_count(len(rendered.token_ids))
 
+    _add_responses_routes(api, service)
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fmt.models_body(service.models())
+
+
+def _add_responses_routes(api: APIRouter, service: GenerationService) -> None:
+    """OpenAI's Responses API, stateless: rendered by vLLM's renderer, answered by vLLM's
+    Responses serving (``gateway.responses_api``)."""
+    built = BuiltOnce(lambda: ResponsesApi(service.renderer.blocking_get(), service.tokenizer))
+
+    @api.post("/v1/responses", response_model=None, openapi_extra=_body("ResponsesRequest"))
+    async def responses(request: Request) -> Response:
+        body = await _json_body(request)
+        renderer = await service.renderer.get()
+        answer = await built.get()
+        asked, params, rendered = await renderer.responses(body, service.pool.max_model_len())
+        answer.check(asked)
+        parent = GenerateRequest(
+            _request_id(request, _chosen_id(body)), Prompt(token_ids=tuple(rendered.token_ids)),
+            rendered.params, asked.model or "", "responses",
+            slo=service.settings.slo.with_headers(request.headers),
+            received_at=_received_at(request),
+        )  # fmt: skip
+        specs = choice_specs(parent, [parent.prompt], 1)
+        generations = await _unless_disconnected(request, start_all(service, specs))
+        if generations is None:
+            return Response(status_code=499)
+        (generation,) = generations
+        headers = generation.routing_headers()
+        if asked.stream:
+            routing = service.settings.routing_headers
+            events = answer.events(asked, params, generation, routing)
+            return _GenerationStream(generations, events, headers)
+        try:
+            result = await _unless_disconnected(request, answer.whole(asked, params, generation))
+        finally:
+            await close_all(generations)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result, headers=headers)
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> Response:
+        raise (await built.get()).not_found(response_id)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> Response:
+        raise (await built.get()).not_found(response_id)
 
 
 def _body(model: str) -> dict[str, Any]:
@@ -423,7 +475,7 @@ async def _serve(
     )
     if shape.stream:
         events = responder.sse() if anthropic is None else anthropic.events(responder.sse())
-        return _GenerationStream(responder, events)
+        return _GenerationStream(responder.generations, events, responder.routing_headers())
     result = await _unless_disconnected(request, responder.whole())
     if result is None:
         return Response(status_code=499)
@@ -435,11 +487,14 @@ async def _serve(
 class _GenerationStream(StreamingResponse):
     """SSE of a request's choices; releases them even if streaming never started."""
 
-    def __init__(self, responder: OpenAIResponder, events: AsyncIterator[str]) -> None:
-        super().__init__(
-            events, media_type="text/event-stream", headers=responder.routing_headers()
-        )
-        self.generations = responder.generations
+    def __init__(
+        self,
+        generations: Sequence[Generation],
+        events: AsyncIterator[str],
+        headers: Mapping[str, str],
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.generations = generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -13,7 +13,7 @@ from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
+    NotFound,
     NoWorkerAvailable,
     Overloaded,
     Unauthenticated,
@@ -23,7 +23,7 @@ from gateway.errors import (
 )
 
 _STATUS: list[tuple[type[GatewayError], int, str]] = [
-    (ModelNotFound, 404, "invalid_request_error"),
+    (NotFound, 404, "invalid_request_error"),
     (InvalidRequest, 400, "invalid_request_error"),
     (Unauthenticated, 401, "authentication_error"),
     (Overloaded, 429, "rate_limit_error"),

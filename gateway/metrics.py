@@ -1,10 +1,11 @@
 """Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``);
 every metric is listed in docs/observability.md.
 
-Label values: ``endpoint`` is "completions", "chat_completions" or "grpc_generate"; ``path``
-is "disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the
-prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok", "invalid", "overloaded",
-"unavailable", "error", "timeout" (a worker stopped answering: 504) or "cancelled".
+Label values: ``endpoint`` is "completions", "chat_completions", "messages", "responses" or
+"grpc_generate"; ``path`` is "disaggregated" (prefill worker + KV hand-off), "local" (the decode
+worker computed the prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok",
+"invalid", "overloaded", "unavailable", "error", "timeout" (a worker stopped answering: 504)
+or "cancelled".
 """
 
 from __future__ import annotations

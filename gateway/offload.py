@@ -67,6 +67,10 @@ class BuiltOnce(Generic[T]):
                 self._value = self._build_fn()
             return self._value
 
+    def blocking_get(self) -> T:
+        """``build()``'s result, built in the calling thread if it is not yet."""
+        return self._build()
+
     @property
     def built(self) -> bool:
         return self._value is not None

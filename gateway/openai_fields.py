@@ -1,14 +1,15 @@
 """Every field of vLLM's request models is honoured or refused, never dropped.
 
-vLLM's renderer (``gateway.render``) reads each request with vLLM's own ``ChatCompletionRequest``
-or ``CompletionRequest``: what it turns into the prompt's token ids or into ``SamplingParams``
-(carried to the workers field by field, ``gateway.vllm_params``, which refuses any sampling
-field it cannot carry) is honoured, and so are the fields that shape the answer, which the
-gateway reads (``gateway.openai_request``). The fields pdserve does not serve yet, or that cannot
-work under disaggregation, are refused with a 400 naming them when a request sets one to
-anything but vLLM's default. Fields outside vLLM's request models are ignored, as vLLM ignores
-them. ``tests/unit/test_openai_fields.py`` fails when vLLM gains a field that is in neither
-list.
+vLLM's renderer (``gateway.render``) reads each request with vLLM's own
+``ChatCompletionRequest``, ``CompletionRequest`` or ``ResponsesRequest``: what it turns into
+the prompt's token ids or into ``SamplingParams`` (carried to the workers field by field,
+``gateway.vllm_params``, which refuses any sampling field it cannot carry) is honoured, and so
+are the fields that shape the answer, which the gateway reads (``gateway.openai_request``, and
+vLLM's own Responses serving: ``gateway.responses_api``). The fields pdserve does not serve
+yet, or that cannot work under disaggregation, are refused with a 400 naming them when a
+request sets one to anything but vLLM's default. Fields outside vLLM's request models are
+ignored, as vLLM ignores them. ``tests/unit/test_openai_fields.py`` fails when vLLM gains a
+field that is in neither list.
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ HONOURED_CHAT = HONOURED_COMMON | {
     "chat_template_kwargs", "reasoning_effort", "max_completion_tokens", "top_logprobs",
 }  # fmt: skip
 HONOURED_COMPLETION = HONOURED_COMMON | {"prompt", "suffix"}
+# vLLM's ResponsesRequest (``/v1/responses``, stateless): what its renderer and
+# ``to_sampling_params`` read, what vLLM's answer echoes (metadata, service_tier, prompt,
+# max_tool_calls) and what vllm serve itself only accepts (store without its store,
+# prompt_cache_key).
+HONOURED_RESPONSES = frozenset(
+    {
+        "input", "instructions", "previous_input_messages", "tools", "tool_choice",
+        "parallel_tool_calls", "reasoning", "include_reasoning", "chat_template_kwargs",
+        "truncation", "cache_salt", "max_output_tokens", "temperature", "top_p", "top_k",
+        "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+        "logit_bias", "text", "structured_outputs", "vllm_xargs", "include", "top_logprobs",
+        "model", "request_id", "stream", "enable_response_messages", "user", "metadata",
+        "service_tier", "prompt", "max_tool_calls", "store", "prompt_cache_key",
+    }
+)  # fmt: skip
 
 # field -> (vLLM's default, why it is refused). Both endpoints.
 COMMON: dict[str, tuple[Any, str]] = {
@@ -75,6 +92,22 @@ CHAT: dict[str, tuple[Any, str]] = {
 COMPLETION: dict[str, tuple[Any, str]] = {
     **COMMON,
     "prompt_embeds": (None, "prompt embeddings are " + _LATER),
+}
+
+RESPONSES: dict[str, tuple[Any, str]] = {
+    name: COMMON[name]
+    for name in ("watermarking", "priority", "session_id", "mm_payload", "return_mm_kwargs",
+                 "kv_transfer_params", "ec_transfer_params")
+}  # fmt: skip
+RESPONSES |= {
+    "media_io_kwargs": CHAT["media_io_kwargs"],
+    "mm_processor_kwargs": CHAT["mm_processor_kwargs"],
+    "background": (False, "not served: pdserve stores no responses"),
+    "previous_response_id": (
+        None,
+        "not served: pdserve stores no responses (send the conversation in "
+        "`previous_input_messages` or `input`)",
+    ),
 }
 
 # vLLM's StructuredOutputsParams fields beyond the one kind the workers are given.

@@ -23,8 +23,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.chat_parsing import ChatParsing, ParsedChat
-from gateway.errors import InvalidRequest, ModelNotFound, PromptTooLong, validation_message
-from gateway.openai_fields import CHAT, COMPLETION, STRUCTURED, refuse_unsupported
+from gateway.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    PromptTooLong,
+    validation_message,
+)
+from gateway.openai_fields import CHAT, COMPLETION, RESPONSES, STRUCTURED, refuse_unsupported
 from gateway.vllm_front_end import front_end
 from gateway.vllm_params import to_wire
 from protos.v1 import common_pb2
@@ -70,6 +76,7 @@ class Renderer:
     def __init__(self, state: Any) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
         self.state = state
         self._serving = state.serving_render
@@ -85,6 +92,7 @@ class Renderer:
         )
         self._chat_model = ChatCompletionRequest
         self._completion_model = CompletionRequest
+        self._responses_model = ResponsesRequest
 
     @classmethod
     def build(cls, model_dir: str, args: Sequence[str]) -> Renderer:
@@ -109,6 +117,17 @@ class Renderer:
             self._serving.render_completion_request, request, max_model_len
         )
         return request, [self._rendered(r) for r in results]
+
+    async def responses(
+        self, body: Mapping[str, Any], max_model_len: int = 0
+    ) -> tuple[Any, Any, Rendered]:
+        """vLLM's ``ResponsesRequest`` of ``body`` (stateless: no ``previous_response_id``),
+        vLLM's ``SamplingParams`` for it (its answer echoes them) and its rendering."""
+        _refuse(body, RESPONSES)
+        request = _validate(self._responses_model, body)
+        render = self._serving.render_responses_request
+        result = await self._render(lambda r, _: render(r), request, max_model_len)
+        return request, result.sampling_params, self._rendered(result)
 
     @property
     def default_sampling_params(self) -> dict[str, Any]:
@@ -161,7 +180,7 @@ class Renderer:
         except Exception as err:  # vLLM's own mapping decides: 4xx or a bug
             result = _error_response(err)
         if hasattr(result, "error"):  # vLLM's ErrorResponse
-            raise _error(result.error)
+            raise vllm_error(result.error)
         return result
 
     def _rendered(self, generate: Any) -> Rendered:
@@ -173,7 +192,7 @@ class Renderer:
         try:
             params.verify(self.model_config, None, structured, self.tokenizer)
         except Exception as err:  # vLLM's own mapping decides: 4xx or a bug
-            raise _error(_error_response(err).error) from err
+            raise vllm_error(_error_response(err).error) from err
         return Rendered(list(generate.token_ids), to_wire(params, generate.cache_salt))
 
 
@@ -209,7 +228,7 @@ def _validate(model: Any, body: Mapping[str, Any]) -> Any:
         message, param = _validation_message(err.errors())
         raise InvalidRequest(message, param=param) from err
     except Exception as err:  # vLLM's own mapping decides: 4xx or a bug
-        raise _error(_error_response(err).error) from err
+        raise vllm_error(_error_response(err).error) from err
 
 
 def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
@@ -264,10 +283,12 @@ def _check_completion(request: Any) -> None:
         )
 
 
-def _error(info: Any) -> InvalidRequest | ModelNotFound:
+def vllm_error(info: Any) -> InvalidRequest | NotFound:
     """vLLM's ``ErrorInfo`` as the gateway's error of the same status."""
     if int(info.code or 400) == 404:
-        return ModelNotFound(info.message, param=info.param or "model")
+        if info.param in (None, "model"):
+            return ModelNotFound(info.message, param="model")
+        return NotFound(info.message, param=info.param)
     if "context length" in info.message:
         return PromptTooLong(info.message, param=info.param)
     return InvalidRequest(info.message, param=info.param)

@@ -65,7 +65,10 @@ CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
 QUESTION = "Name three primary colors."
 
 
-def served_model_name(model: str) -> str:
+def served_model_name(model: str, given: str = "") -> str:
+    """The name clients use: ``given`` (``--served-model-name``), else the model directory's."""
+    if given:
+        return given
     return Path(model.rstrip("/")).name if model else shared.DEFAULT_MODEL_NAME
 
 
@@ -75,6 +78,7 @@ def _pdserve(*args: str) -> tuple[str, ...]:
 
 def _engine_flags(s: UpSettings, placement: Placement, engine_args: str) -> list[str]:
     flags = ["--model", s.model] if s.model else []
+    flags += ["--served-model-name", s.served_model_name] if s.served_model_name else []
     if placement.cpu_cores is not None:
         flags += ["--cpu-cores", placement.cpu_cores]
     if placement.lending_table:
@@ -140,6 +144,7 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
     argv = _pdserve(
         "gateway", "--http-host", s.host, "--http-port", str(s.http_port),
         "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
+        *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
         *(["--generation-config", s.generation_config] if s.generation_config != "auto" else []),
         *parser_flags(s),
         # "=": an empty list (no prefill workers) stays an explicit empty value.
@@ -333,7 +338,7 @@ def _python_command() -> str:
 
 
 def ready_banner(s: UpSettings, log_dir: Path) -> str:
-    host, name = client_host(s.host), served_model_name(s.model)
+    host, name = client_host(s.host), served_model_name(s.model, s.served_model_name)
     base = f"http://{host}:{s.http_port}"
     message = {"role": "user", "content": QUESTION}
     body = json.dumps({"model": name, "messages": [message], "max_tokens": 32, "temperature": 0})

@@ -19,6 +19,11 @@ class UpSettings(BaseSettings):
     prefill: int = Field(1, ge=0, description="prefill workers (0: decode workers do prompts)")
     decode: int = Field(1, ge=1, description="decode workers")
     model: str = Field("", description="model directory (empty: the prepared default model)")
+    served_model_name: str = Field(
+        "",
+        description="model name clients use, on the gateway and every worker (empty: the "
+        "model directory's name)",
+    )
     generation_config: str = Field(
         "auto",
         description="the gateway's sampling defaults, as vLLM's flag: auto (the model's "

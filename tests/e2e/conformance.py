@@ -43,11 +43,25 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+RESPONSE_WEATHER = {"type": "function", "name": "get_weather", **WEATHER["function"]}  # type: ignore[dict-item]
 GREEDY = {"temperature": 0}
 
 
 def _chat(**body: Any) -> dict[str, Any]:
     return {"messages": COLORS, "max_tokens": 16, **GREEDY, **body}
+
+
+def _response(**body: Any) -> dict[str, Any]:
+    return {"input": "Name three colors.", "max_output_tokens": 16, **GREEDY, **body}
+
+
+RESPONSE_REQUIRED = _response(
+    input=ASK[0]["content"],
+    tools=[RESPONSE_WEATHER],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    max_output_tokens=96,
+)
 
 
 def _completion(**body: Any) -> dict[str, Any]:
@@ -60,6 +74,7 @@ REQUIRED = _chat(
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = "/v1/messages"  # Anthropic's
+RESPONSES = "/v1/responses"  # OpenAI's Responses API, stateless
 ANTHROPIC_WEATHER = {
     "name": "get_weather",
     "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
@@ -192,6 +207,27 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
         {"messages": ASK, "system": "Be brief.", "tools": [ANTHROPIC_WEATHER]},
     ),
     "error_messages_no_max_tokens": (MESSAGES, {"messages": COLORS}),
+    "responses": (RESPONSES, _response()),
+    "responses_streamed": (RESPONSES, _response(instructions="Be brief.", stream=True)),
+    "responses_conversation": (
+        RESPONSES,
+        _response(
+            input=[
+                *COLORS,
+                {"role": "assistant", "content": "Red, blue and green."},
+                {"role": "user", "content": "One more?"},
+            ]
+        ),
+    ),
+    "responses_logprobs": (
+        RESPONSES,
+        _response(include=["message.output_text.logprobs"], top_logprobs=2, max_output_tokens=6),
+    ),
+    "responses_stop": (RESPONSES, _response(stop=["."], max_output_tokens=32)),
+    "responses_tool_required": (RESPONSES, RESPONSE_REQUIRED),
+    "responses_tool_required_streamed": (RESPONSES, {**RESPONSE_REQUIRED, "stream": True}),
+    "error_responses_background": (RESPONSES, _response(background=True)),
+    "error_responses_temperature": (RESPONSES, _response(temperature=-1)),
 }
 
 # Differences pdserve means to have, each with its reason; the test fails on any other.
@@ -256,7 +292,7 @@ def _body(response: httpx.Response) -> Any:
         return response.text
 
 
-VOLATILE = {"id", "created", "system_fingerprint"}
+VOLATILE = {"id", "created", "created_at", "system_fingerprint"}
 
 
 def project(answer: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +304,8 @@ def project(answer: dict[str, Any]) -> dict[str, Any]:
         error = body.get("error", body) if isinstance(body, dict) else {}
         return {"status": status, "error_type": error.get("type")}
     if isinstance(body, list) and body and isinstance(body[0], dict) and "type" in body[0]:
+        if str(body[0]["type"]).startswith("response."):
+            return {"status": status, "stream": _assembled_response(body)}
         return {"status": status, "stream": _assembled_message(body)}
     if isinstance(body, list):
         return {"status": status, "stream": _assembled(body)}
@@ -282,6 +320,8 @@ def _stable(value: Any) -> Any:
                 out[key] = _stable(item)
         if "function" in out and "type" in out and "id" in value:
             out["id"] = bool(value["id"])  # a call's id: random on both servers
+        if "call_id" in out:
+            out["call_id"] = bool(value["call_id"])  # a Responses function call's, as well
         return out
     if isinstance(value, list):
         return [_stable(v) for v in value]
@@ -352,6 +392,26 @@ def _assembled_message(events: list[dict[str, Any]]) -> dict[str, Any]:
         "types": [e["type"] for e in events],
         "start": start,
         "blocks": blocks,
+        "final": final,
+    }
+
+
+def _assembled_response(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Responses API's stream as a client assembles it: the event types in order, the text
+    and the function call arguments of the deltas, the response of ``response.completed``."""
+    text = arguments = ""
+    final: dict[str, Any] = {}
+    for event in events:
+        if event["type"] == "response.output_text.delta":
+            text += event["delta"]
+        elif event["type"] == "response.function_call_arguments.delta":
+            arguments += event["delta"]
+        elif event["type"] == "response.completed":
+            final = _stable(event["response"])
+    return {
+        "types": [e["type"] for e in events],
+        "text": text,
+        "arguments": arguments,
         "final": final,
     }
 

@@ -320,6 +320,7 @@ async def test_openapi_describes_every_route_and_errors() -> None:
         "/v1/models",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
         "/tokenize",
         "/detokenize",
         "/health",
@@ -330,6 +331,9 @@ async def test_openapi_describes_every_route_and_errors() -> None:
     assert {"400", "401", "404", "429", "503"} <= set(chat["responses"])
     schemas = doc["components"]["schemas"]
     assert {"ChatCompletionRequest", "CompletionRequest", "ErrorResponse"} <= set(schemas)
+    responses = paths["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]
+    assert responses["schema"]["$ref"] == "#/components/schemas/ResponsesRequest"
+    assert "ResponsesRequest" in schemas
 
 
 async def test_disconnect_mid_stream_aborts_every_choice_on_every_worker() -> None:

@@ -1,6 +1,7 @@
 """Property-based fuzzing of the OpenAI HTTP API (hypothesis over request bodies): more than
-1,000 generated requests, valid and not, against a gateway with fake workers. No answer may be
-a 5xx, none may hang, and every error is OpenAI-shaped."""
+1,000 generated requests, valid and not (completions, chat, Responses, tokenize), against a
+gateway with fake workers. No answer may be a 5xx, none may hang, and every error is
+OpenAI-shaped."""
 
 from __future__ import annotations
 
@@ -128,15 +129,46 @@ chat = st.fixed_dictionaries(
     },
 )
 
+response_item = st.one_of(
+    message,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call", "function_call_output", "message", "x"])},
+        optional={"call_id": junk, "output": junk, "name": junk, "arguments": junk},
+    ),
+)
+responses = st.fixed_dictionaries(
+    {},
+    optional={
+        **{k: v for k, v in sampling.items() if k not in ("max_tokens", "n", "stream_options")},
+        "input": field(st.one_of(st.text(max_size=40), st.lists(response_item, max_size=3))),
+        "instructions": field(st.text(max_size=10)),
+        "max_output_tokens": field(st.integers(min_value=-2, max_value=5000)),
+        "include": field(st.lists(st.sampled_from(["message.output_text.logprobs", "x"]))),
+        "top_logprobs": field(st.integers(min_value=-1, max_value=25)),
+        "tools": field(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["function", "mcp"]), "name": st.text(max_size=5)}
+                ),
+                max_size=2,
+            )
+        ),
+        "tool_choice": field(st.sampled_from(["none", "auto", "required"])),
+        "truncation": field(st.sampled_from(["auto", "disabled", "x"])),
+        "previous_input_messages": field(st.lists(message, max_size=2)),
+    },
+)
+
 requests = st.one_of(
     st.tuples(st.just("/v1/completions"), completion),
     st.tuples(st.just("/v1/chat/completions"), chat),
+    st.tuples(st.just("/v1/responses"), responses),
     st.tuples(st.just("/tokenize"), st.one_of(completion, chat)),
     st.tuples(
         st.just("/detokenize"),
         st.fixed_dictionaries({"tokens": field(st.lists(st.integers(-2, 60000), max_size=5))}),
     ),
-    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), junk),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]), junk),
 )
 
 
@@ -185,7 +217,11 @@ def test_generated_requests_never_get_a_5xx_or_hang(base_url: str) -> None:
             if response.status_code >= 400:
                 error = response.json()["error"]
                 assert set(error) == {"message", "type", "param", "code"}, response.text
-            elif response.headers["content-type"].startswith("text/event-stream"):
+            elif not response.headers["content-type"].startswith("text/event-stream"):
+                pass
+            elif path == "/v1/responses":  # the Responses API's last event
+                assert "event: response.completed\n" in response.text, response.text[-200:]
+            else:
                 assert response.text.endswith("data: [DONE]\n\n"), response.text[-200:]
 
         check()

@@ -16,6 +16,8 @@ from gateway.openai_fields import (
     COMPLETION,
     HONOURED_CHAT,
     HONOURED_COMPLETION,
+    HONOURED_RESPONSES,
+    RESPONSES,
     STRUCTURED,
     refuse_unsupported,
 )
@@ -37,6 +39,7 @@ def _vllm_default(field: Any) -> Any:
     [
         ("ChatCompletionRequest", "chat_completion", HONOURED_CHAT, CHAT),
         ("CompletionRequest", "completion", HONOURED_COMPLETION, COMPLETION),
+        ("ResponsesRequest", "responses", HONOURED_RESPONSES, RESPONSES),
     ],
 )
 def test_every_vllm_field_is_honoured_or_refused(

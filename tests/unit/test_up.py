@@ -352,6 +352,19 @@ def test_run_refuses_a_port_given_to_two_servers(capsys: pytest.CaptureFixture[s
 def test_served_model_name() -> None:
     assert served_model_name("") == shared.DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
     assert served_model_name("/models/Qwen3-0.6B/") == "Qwen3-0.6B"
+    assert served_model_name("/models/Qwen3-0.6B/", "qwen") == "qwen"
+
+
+def test_a_served_model_name_reaches_the_gateway_and_every_worker() -> None:
+    s = parse("--served-model-name", "colors", "--decode", "2")
+    specs, _ = build_specs(s, gpus=[], cores=[0, 1])
+    named = {
+        spec.name for spec in specs
+        if "--served-model-name" in spec.argv
+        and spec.argv[spec.argv.index("--served-model-name") + 1] == "colors"
+    }  # fmt: skip
+    assert named == {"gateway", "prefill-0", "decode-0", "decode-1"}
+    assert '"model": "colors"' in ready_banner(s, Path("logs"))
 
 
 def test_ready_banner_has_a_runnable_curl_line() -> None:
