@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 
-from pdserve.rpc.client import GrpcClient
+from pdserve.rpc.client import WorkerClient
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
-class DecodeClient(GrpcClient):
+class DecodeClient(WorkerClient):
     """One channel to one decode worker; ``close()`` when done."""
 
     STUB = worker_pb2_grpc.DecodeWorkerStub
@@ -52,9 +52,3 @@ class DecodeClient(GrpcClient):
             "Abort", self.stub.Abort, request, request_id, timeout
         )
         return response.found
-
-    async def capabilities(self, timeout: float | None = None) -> worker_pb2.Capabilities:
-        request = worker_pb2.CapabilitiesRequest()
-        return await self.unary(
-            "GetCapabilities", self.stub.GetCapabilities, request, None, timeout
-        )

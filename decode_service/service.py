@@ -170,7 +170,10 @@ class DecodeService(WorkerService):
                     handoff = None  # released already: nothing left to release either
                     raise InvalidRequest("the KV hand-off was released: its request was cancelled")
             salt = cache_salt(params)
-            transfer = salted_transfer_params(handoff, salt, self.settings.kv_tier != "off")
+            adapter = self.adapters.get(params.lora_name)
+            tag = adapter.tier_tag if adapter else None
+            tier = self.settings.kv_tier != "off"
+            transfer = salted_transfer_params(handoff, salt, tier, tag)
             extra = {"kv_transfer_params": transfer} if transfer else None
             sampling = to_vllm(
                 params,
@@ -193,7 +196,11 @@ class DecodeService(WorkerService):
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
             trace = self.trace_headers()
             async for output in self.engine.generate(
-                prompt, sampling, request_id, trace_headers=trace
+                prompt,
+                sampling,
+                request_id,
+                trace_headers=trace,
+                lora_request=self.adapters.request(params.lora_name),
             ):
                 if keeper is not None:  # the blocks are in (the first output comes after)
                     keeper.cancel()

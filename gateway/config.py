@@ -143,6 +143,12 @@ class GatewaySettings(BaseSettings):
         description="as vLLM's flag: serve GET /tokenizer_info (it may expose the chat template "
         "and the tokenizer's configuration)",
     )
+    allow_runtime_lora_updating: bool = Field(
+        default=False,
+        description="as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: serve POST /v1/load_lora_adapter "
+        "and /v1/unload_lora_adapter, which load an adapter on every worker (anyone with an API "
+        "key may then load files of the workers' machines)",
+    )
     reasoning_parser: str = Field(
         default="",
         description="vLLM's reasoning parser of chat output, e.g. qwen3 (as vLLM's flag; "

@@ -88,6 +88,10 @@ class Generation:
         self.params = params
         self.decode = route.decode
         self.prefill = route.prefill
+        # A LoRA adapter's request moves only to workers serving it at the same path.
+        name = params.lora_name
+        path = route.decode.adapter_path(name) if name else None
+        self._adapter = None if path is None else (name, path)
         self.path = PATH_DISAGGREGATED if route.prefill else PATH_LOCAL
         if sibling:
             self.path = PATH_SIBLING
@@ -128,6 +132,13 @@ class Generation:
         for worker in (route.prefill, route.decode):
             if worker is not None:
                 self._hold(worker)
+
+    def _healthy_prefill(self) -> list[PrefillWorker]:
+        """Healthy prefill workers that can compute this request (its adapter's, if any)."""
+        return self._pool.serving(self._pool.healthy_prefill(), self._adapter)
+
+    def _healthy_decode(self) -> list[DecodeWorker]:
+        return self._pool.serving(self._pool.healthy_decode(), self._adapter)
 
     def _hold(self, worker: AnyWorker) -> None:
         worker.in_flight += 1
@@ -240,7 +251,7 @@ class Generation:
         nxt = None
         if left > 0:
             nxt = alternative(
-                self._pool.healthy_prefill(), tried, lambda w: w.load(),
+                self._healthy_prefill(), tried, lambda w: w.load(),
                 lambda w: self._pool.compatible(w, self.decode),
             )  # fmt: skip
         step = recovery.on_prefill_failed(self.phase, retries_left=left, another=nxt is not None,
@@ -369,7 +380,7 @@ class Generation:
         nxt = None
         if left > 0:
             nxt = alternative(
-                self._pool.healthy_decode(), tried, lambda w: w.load(),
+                self._healthy_decode(), tried, lambda w: w.load(),
                 lambda w: self.prefill is None or self._pool.compatible(self.prefill, w),
             )  # fmt: skip
         step = recovery.on_decode_failed_before_first_token(self.phase, retries_left=left,
@@ -465,7 +476,11 @@ class Generation:
             return worker_pb2.DecodeChunk(finish_reason="length")
         tried: list[DecodeWorker] = [failed]
         while True:
-            nxt = alternative(self._pool.healthy_decode(), tried, lambda w: w.load())
+            nxt = alternative(
+                self._healthy_decode(),
+                tried,
+                lambda w: w.load(),
+            )
             step = self._stream_lost(lost_in, why, nxt is not None)
             self._migrations += 1  # an attempt, counted even when it finds no worker
             if step.aborts or nxt is None:
@@ -505,7 +520,7 @@ class Generation:
         if self.prefill is not None:
             self._unhold(self.prefill)
         self.prefill = alternative(
-            self._pool.healthy_prefill(), (), lambda w: w.load(),
+            self._healthy_prefill(), (), lambda w: w.load(),
             lambda w: self._pool.compatible(w, decode),
         )  # fmt: skip
         if self.prefill is not None:

@@ -275,8 +275,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         validated request and the prompt's ids. The call's own sampling parameters stay the
         gRPC API's."""
         renderer = await self.service.renderer.get()
-        max_model_len = self.service.pool.max_model_len()
-        chat, rendered = await renderer.chat(chat_body(request), max_model_len)
+        chat, rendered = await renderer.chat(chat_body(request), self.service.served())
         return chat, rendered.token_ids
 
     async def _render_text(
@@ -287,7 +286,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if request.model:
             body["model"] = request.model
         renderer = await self.service.renderer.get()
-        _, rendered = await renderer.completion(body, self.service.pool.max_model_len())
+        _, rendered = await renderer.completion(body, self.service.served())
         return rendered[0].token_ids
 
     async def ListModels(

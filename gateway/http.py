@@ -5,8 +5,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or ``strea
 conversion: ``gateway.anthropic_api``), ``POST /v1/responses`` (OpenAI's Responses API,
 stateless, answered by vLLM's Responses serving: ``gateway.responses_api``; ``GET
 /v1/responses/{id}`` and its ``cancel``: vLLM's 404, no response is stored),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /load``,
-``GET /tokenizer_info`` (with ``enable_tokenizer_info_endpoint``: ``gateway.tokenizer_info``),
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (with
+``allow_runtime_lora_updating``: ``gateway.lora_admin``), ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /load``, ``GET
+/tokenizer_info`` (with ``enable_tokenizer_info_endpoint``: ``gateway.tokenizer_info``),
 ``GET /health``, ``GET /metrics`` and the OpenAPI document at ``/openapi.json``. Every
 response carries ``x-request-id`` (the client's, when sane, else a new one). Errors are
 OpenAI-shaped JSON ``{"error": {"message", "type", "param", "code"}}``
@@ -33,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import lora_admin, request_log
 from gateway import openai_format as fmt
-from gateway import request_log
 from gateway.anthropic_api import AnthropicApi
 from gateway.auth import ApiKeys
 from gateway.chat_parsing import ParsedChat
@@ -182,7 +184,7 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
         renderer = await service.renderer.get()
-        completion, rendered = await renderer.completion(body, service.pool.max_model_len())
+        completion, rendered = await renderer.completion(body, service.served())
         shape = completion_shape(completion)
         texts = _prompt_texts(completion.prompt, len(rendered))
         prompts = [
@@ -219,14 +221,28 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         converter = await anthropic.get()
         chat = converter.chat_body(await _json_body(request), count=True)
         renderer = await service.renderer.get()
-        _, rendered = await renderer.chat({"max_tokens": 1, **chat})
+        _, rendered = await renderer.chat({"max_tokens": 1, **chat}, service.served())
         return converter.token_count(len(rendered.token_ids))
 
     _add_responses_routes(api, service)
+    if service.settings.allow_runtime_lora_updating:
+        _add_lora_routes(api, service)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fmt.models_body(service.models())
+
+
+def _add_lora_routes(api: APIRouter, service: GenerationService) -> None:
+    """vLLM's run-time LoRA endpoints (``gateway.lora_admin``): vLLM's text answers."""
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return Response(await lora_admin.load(service, await _json_body(request)))
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return Response(await lora_admin.unload(service, await _json_body(request)))
 
 
 def _add_responses_routes(api: APIRouter, service: GenerationService) -> None:
@@ -239,7 +255,7 @@ def _add_responses_routes(api: APIRouter, service: GenerationService) -> None:
         body = await _json_body(request)
         renderer = await service.renderer.get()
         answer = await built.get()
-        asked, params, rendered = await renderer.responses(body, service.pool.max_model_len())
+        asked, params, rendered = await renderer.responses(body, service.served())
         answer.check(asked)
         parent = GenerateRequest(
             _request_id(request, _chosen_id(body)), Prompt(token_ids=tuple(rendered.token_ids)),
@@ -310,7 +326,7 @@ def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
     async def tokenize_route(request: Request) -> dict[str, Any]:
         """vLLM's ``/tokenize``: the ids a generation request sends to the workers."""
         renderer = await service.renderer.get()
-        return await renderer.tokenize(await _json_body(request), service.pool.max_model_len())
+        return await renderer.tokenize(await _json_body(request), service.served())
 
     if service.settings.enable_tokenizer_info_endpoint:
 
@@ -427,7 +443,7 @@ async def _serve_chat(
 ) -> Response:
     """A chat request through vLLM's renderer and the core."""
     renderer = await service.renderer.get()
-    chat, rendered = await renderer.chat(body, service.pool.max_model_len())
+    chat, rendered = await renderer.chat(body, service.served())
     parsed = renderer.parsed(chat)
     parent = GenerateRequest(
         _request_id(request, _chosen_id(body)), Prompt(token_ids=tuple(rendered.token_ids)),
@@ -450,7 +466,7 @@ async def _serve(
     """``anthropic``: the chat completion is answered as Anthropic's message (its events)."""
     shaper = fmt.ChunkShaper(
         _request_id(request),
-        service.model_name,
+        service.shown_model(specs[0].request.model),
         chat=shape.chat,
         include_usage=shape.include_usage,
         return_token_ids=shape.return_token_ids,

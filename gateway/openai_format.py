@@ -59,7 +59,7 @@ def models_body(models: Sequence[ModelInfo]) -> dict[str, Any]:
             "created": created,
             "owned_by": "pdserve",
             "root": m.root,
-            "parent": None,
+            "parent": m.parent,
             "max_model_len": m.max_model_len or None,
             "permission": [_permission(created)],
         }

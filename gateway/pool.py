@@ -93,6 +93,13 @@ class Worker(Generic[C]):
             return self.reported_load["kv_usage"]
         return float(self.capabilities.load.kv_usage) if self.capabilities else 0.0
 
+    def adapter_path(self, name: str) -> str | None:
+        """The path of the LoRA adapter ``name`` on this worker; None: it does not serve it."""
+        if self.capabilities is None:
+            return None
+        found = (a.path for a in self.capabilities.lora_adapters if a.name == name)
+        return next(found, None)
+
     def load(self) -> float:
         """Requests on the worker: this gateway's in flight, the other gateways' in flight
         (as they last published it: ``gateway.shared_load``) and what the engine queues."""
@@ -434,6 +441,25 @@ class WorkerPool:
     def max_model_len(self) -> int:
         """The smallest context length among healthy decode workers (0: not known yet)."""
         return _min_len(self.healthy_decode()) or _min_len(self.decode)
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters healthy decode workers serve, name -> path (the first worker's
+        where two differ: a worker with another path is not routed that adapter's requests,
+        see ``WorkerPool.serving``)."""
+        found: dict[str, str] = {}
+        for worker in self.healthy_decode():
+            for adapter in worker.capabilities.lora_adapters if worker.capabilities else ():
+                found.setdefault(adapter.name, adapter.path)
+        return found
+
+    @staticmethod
+    def serving(workers: Sequence[W], adapter: tuple[str, str] | None) -> list[W]:
+        """Those of ``workers`` that serve ``adapter`` (name, path) at that path; all of them
+        for the base model (None)."""
+        if adapter is None:
+            return list(workers)
+        name, path = adapter
+        return [w for w in workers if w.adapter_path(name) == path]
 
 
 def _min_len(workers: Sequence[PrefillWorker | DecodeWorker]) -> int:

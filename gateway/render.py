@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,6 +34,15 @@ from gateway.openai_fields import CHAT, COMPLETION, RESPONSES, STRUCTURED, refus
 from gateway.vllm_front_end import front_end
 from gateway.vllm_params import to_wire
 from protos.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the workers serve now, which vLLM's rules follow: their context length (0: the
+    model's) and their LoRA adapters, name -> path (vLLM's model check accepts those names)."""
+
+    max_model_len: int = 0
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,35 +107,35 @@ class Renderer:
     def build(cls, model_dir: str, args: Sequence[str]) -> Renderer:
         return cls(front_end(model_dir, args))
 
-    async def chat(self, body: Mapping[str, Any], max_model_len: int = 0) -> tuple[Any, Rendered]:
+    async def chat(
+        self, body: Mapping[str, Any], served: Served | None = None
+    ) -> tuple[Any, Rendered]:
         """vLLM's ``ChatCompletionRequest`` of ``body`` and its rendering."""
         _refuse(body, CHAT)
         request = _validate(self._chat_model, body)
         _check_choices(request.n)
-        result = await self._render(self._serving.render_chat_request, request, max_model_len)
+        result = await self._render(self._serving.render_chat_request, request, served)
         return request, self._rendered(result)
 
     async def completion(
-        self, body: Mapping[str, Any], max_model_len: int = 0
+        self, body: Mapping[str, Any], served: Served | None = None
     ) -> tuple[Any, list[Rendered]]:
         """vLLM's ``CompletionRequest`` of ``body`` and the rendering of each of its prompts."""
         _refuse(body, COMPLETION)
         request = _validate(self._completion_model, body)
         _check_completion(request)
-        results = await self._render(
-            self._serving.render_completion_request, request, max_model_len
-        )
+        results = await self._render(self._serving.render_completion_request, request, served)
         return request, [self._rendered(r) for r in results]
 
     async def responses(
-        self, body: Mapping[str, Any], max_model_len: int = 0
+        self, body: Mapping[str, Any], served: Served | None = None
     ) -> tuple[Any, Any, Rendered]:
         """vLLM's ``ResponsesRequest`` of ``body`` (stateless: no ``previous_response_id``),
         vLLM's ``SamplingParams`` for it (its answer echoes them) and its rendering."""
         _refuse(body, RESPONSES)
         request = _validate(self._responses_model, body)
         render = self._serving.render_responses_request
-        result = await self._render(lambda r, _: render(r), request, max_model_len)
+        result = await self._render(lambda r, _: render(r), request, served)
         return request, result.sampling_params, self._rendered(result)
 
     @property
@@ -140,7 +149,9 @@ class Renderer:
         """vLLM's parsers of ``chat``'s choices (vLLM's rendered request); None: no parser."""
         return None if self.parsing is None else self.parsing.parsed(chat)
 
-    async def tokenize(self, body: Mapping[str, Any], max_model_len: int = 0) -> dict[str, Any]:
+    async def tokenize(
+        self, body: Mapping[str, Any], served: Served | None = None
+    ) -> dict[str, Any]:
         """vLLM's ``/tokenize`` of ``body`` (a prompt or a chat, vLLM's fields)."""
         from pydantic import TypeAdapter
         from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
@@ -149,7 +160,7 @@ class Renderer:
             raise InvalidRequest("the request body must be a JSON object")
         request = _validate(TypeAdapter(TokenizeRequest), body)
         serving = self.state.serving_tokenization
-        result = await self._render(serving.create_tokenize, request, max_model_len)
+        result = await self._render(serving.create_tokenize, request, served)
         answer: dict[str, Any] = result.model_dump()
         return answer
 
@@ -166,15 +177,17 @@ class Renderer:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is out of vocabulary", param="tokens")
         serving = self.state.serving_tokenization
-        result = await self._render(serving.create_detokenize, request, 0)
+        result = await self._render(serving.create_detokenize, request, None)
         answer: dict[str, Any] = result.model_dump()
         return answer
 
-    async def _render(self, render: Any, request: Any, max_model_len: int) -> Any:
+    async def _render(self, render: Any, request: Any, served: Served | None) -> Any:
         # vLLM's context length is the model's; the workers may serve a shorter one (their
         # --max-model-len, the smallest healthy decode worker's): vLLM's rules of max_tokens
         # and truncation take theirs. Every request of a moment asks for the same length.
-        self.model_config.max_model_len = max_model_len or self._model_len
+        served = served or Served()
+        self.model_config.max_model_len = served.max_model_len or self._model_len
+        self._set_adapters(served.adapters)
         try:
             result = await render(request, None)
         except Exception as err:  # vLLM's own mapping decides: 4xx or a bug
@@ -182,6 +195,20 @@ class Renderer:
         if hasattr(result, "error"):  # vLLM's ErrorResponse
             raise vllm_error(result.error)
         return result
+
+    def _set_adapters(self, adapters: Mapping[str, str]) -> None:
+        """vLLM's model registry lists the workers' LoRA adapters (its model check, its
+        ``/v1/models``), each under the id vLLM would give it."""
+        registry = self.state.openai_serving_models.lora_requests
+        if set(registry) == set(adapters) and all(
+            registry[n].lora_path == p for n, p in adapters.items()
+        ):
+            return
+        from vllm.lora.request import LoRARequest
+
+        registry.clear()
+        for i, (name, path) in enumerate(sorted(adapters.items()), start=1):
+            registry[name] = LoRARequest(name, i, path)
 
     def _rendered(self, generate: Any) -> Rendered:
         """One of vLLM's token-in requests, checked as vLLM's engine front checks its

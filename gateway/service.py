@@ -39,7 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.offload import BuiltOnce, Offload
 from gateway.params import check_sampling, resolve_max_tokens
 from gateway.pool import WorkerPool
-from gateway.render import Renderer, shared_renderer
+from gateway.render import Renderer, Served, shared_renderer
 from gateway.routing.interfaces import Picker, Route, RouteRequest
 from gateway.routing.split import SplitPolicy
 from gateway.sampling_defaults import with_defaults
@@ -127,7 +127,8 @@ async def all_or_none(
 class ModelInfo:
     id: str
     max_model_len: int
-    root: str  # the model's path, as vLLM reports it
+    root: str  # the model's path, as vLLM reports it (an adapter's: its directory)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 def route_attributes(picker: str, route: Route) -> dict[str, Any]:
@@ -177,7 +178,22 @@ class GenerationService:
         metrics.in_flight.set_function(lambda: self.active)
 
     def models(self) -> list[ModelInfo]:
-        return [ModelInfo(self.model_name, self.pool.max_model_len(), self.tokenizer.model_dir)]
+        """The base model, then the LoRA adapters its workers serve (``parent``: the base)."""
+        length = self.pool.max_model_len()
+        base = ModelInfo(self.model_name, length, self.tokenizer.model_dir)
+        adapters = [  # as vLLM lists an adapter: no context length of its own
+            ModelInfo(name, 0, path, parent=self.model_name)
+            for name, path in sorted(self.pool.adapters().items())
+        ]
+        return [base, *adapters]
+
+    def shown_model(self, model: str) -> str:
+        """The model an answer names: the request's adapter, else the served model."""
+        return model if model and model in self.pool.adapters() else self.model_name
+
+    def served(self) -> Served:
+        """What vLLM's renderer must know of the workers: context length, LoRA adapters."""
+        return Served(self.pool.max_model_len(), self.pool.adapters())
 
     def ready(self) -> bool:
         """vLLM's front end can render and at least one decode worker is healthy."""
@@ -205,13 +221,14 @@ class GenerationService:
         token_ids: list[int] | None = None
         try:
             with tracing.step("admission"):
-                self._check_model(lead.model)
+                adapter = self._check_model(lead.model)
                 # the request's values, else the model's generation config as vLLM reads it
                 # (what vLLM's renderer made of an OpenAI request has them already)
                 defaults = (await self.renderer.get()).default_sampling_params
                 sampling = [with_defaults(r.params, defaults) for r in requests]
                 for s in sampling:
                     check_sampling(s)
+                    s.lora_name = adapter  # the model names it, nothing else
                 self._admit(len(requests))
                 # The slots are taken at admission, not after the awaits below: a burst cannot
                 # pass max_concurrent_requests (each generation gives its slot back at its end).
@@ -333,9 +350,13 @@ class GenerationService:
     def check_model(self, model: str) -> None:
         self._check_model(model)
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.model_name:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    def _check_model(self, model: str) -> str:
+        """The LoRA adapter ``model`` names ("": the base model); 404 for any other name."""
+        if not model or model == self.model_name:
+            return ""
+        if model in self.pool.adapters():
+            return model
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
     def check_prompt(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, checked: never empty, every id in the vocabulary."""
@@ -356,18 +377,24 @@ class GenerationService:
         token_ids: Sequence[int],
         params: common_pb2.SamplingParams,
     ) -> Route:
-        prefill = self.pool.healthy_prefill()
+        adapter = None
+        if params.lora_name:  # only workers serving the adapter, at the same path
+            adapter = (params.lora_name, self.pool.adapters().get(params.lora_name, ""))
+        prefill = self.pool.serving(self.pool.healthy_prefill(), adapter)
         if params.HasField("prompt_logprobs"):
             # vLLM computes prompt logprobs only for prompt tokens it runs itself, never for
             # transferred KV: such requests take the local path on the decode worker.
             prefill = []
         if self.pool.prefill and not prefill and self.settings.prefill_failure_policy == "fail":
             raise NoWorkerAvailable("no healthy prefill worker (prefill_failure_policy 'fail')")
-        decode = self.pool.healthy_decode()
+        decode = self.pool.serving(self.pool.healthy_decode(), adapter)
         if not decode:
-            raise NoWorkerAvailable("no healthy decode worker")
+            serving = f" serves the LoRA adapter `{adapter[0]}`" if adapter else ""
+            raise NoWorkerAvailable(f"no healthy decode worker{serving}")
         salt = params.cache_salt if params.HasField("cache_salt") else None
-        route_request = RouteRequest(request.request_id, self.model_name, token_ids, salt)
+        route_request = RouteRequest(
+            request.request_id, self.model_name, token_ids, salt, lora=adapter
+        )
         started = time.perf_counter()
         route = await self.picker.pick(route_request, prefill, decode, self.pool.compatible)
         route = self.split.decide(route, len(token_ids), request.slo)

@@ -65,12 +65,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prep.add_argument("--dest", type=Path, default=None, help="directory (default: the cache)")
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     sub.add_parser("path", help="print the default model directory (fails if not prepared)")
+    lora = sub.add_parser("lora", help="write a small LoRA adapter of the default model (peft)")
+    lora.add_argument("--dest", type=Path, default=None, help="directory (default: beside it)")
+    lora.add_argument("--seed", type=int, default=0, help="seed of its random weights")
+    lora.add_argument("--force", action="store_true", help="rewrite even if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         if args.model_command == "prepare":
             prepare(args.dest, force=args.force)
+        elif args.model_command == "lora":
+            from pdserve.model_lora import write_adapter
+
+            write_adapter(resolve_model(None), args.dest, seed=args.seed, force=args.force)
         else:
             print(resolve_model(None))
     except (ModelError, OSError) as exc:

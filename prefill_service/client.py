@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.rpc.client import GrpcClient
+from pdserve.rpc.client import WorkerClient
 from protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
-class PrefillClient(GrpcClient):
+class PrefillClient(WorkerClient):
     """One channel to one prefill worker; ``close()`` when done."""
 
     STUB = worker_pb2_grpc.PrefillWorkerStub
@@ -37,9 +37,3 @@ class PrefillClient(GrpcClient):
             "Abort", self.stub.Abort, request, request_id, timeout
         )
         return response.found
-
-    async def capabilities(self, timeout: float | None = None) -> worker_pb2.Capabilities:
-        request = worker_pb2.CapabilitiesRequest()
-        return await self.unary(
-            "GetCapabilities", self.stub.GetCapabilities, request, None, timeout
-        )

@@ -29,6 +29,7 @@ class PrefillServicer(ServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
                     request.request_id,
                     list(request.prompt_token_ids),
                     cache_salt(request.params),
+                    request.params.lora_name,
                 )
             except WorkerError as exc:
                 await fail(context, exc)

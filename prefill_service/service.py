@@ -46,7 +46,11 @@ class PrefillResult:
 
 
 def handoff_request_params(
-    request_id: str, connector: str, salt: str | None = None, tier: bool = False
+    request_id: str,
+    connector: str,
+    salt: str | None = None,
+    tier: bool = False,
+    lora_tag: str | None = None,
 ) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields of a prefill request, shaped for the hand-off.
 
@@ -62,16 +66,17 @@ def handoff_request_params(
       nixl/base_scheduler.py:199-203).
     - no stop strings, logprobs or detokenization: nothing else can end or slow it.
     - with our connector, this service's request id as the release key (see the module doc).
-    - with a KV ``tier``, the request's cache ``salt`` as its LMCache chunk tag.
+    - with a KV ``tier``, the request's cache ``salt`` and LoRA adapter as LMCache chunk tags.
     """
     handoff: dict[str, Any] = {"do_remote_decode": True}
     if connector == "pdserve":
         handoff[RELEASE_KEY] = request_id
+    transfer = salted_transfer_params(handoff, salt, tier, lora_tag)
     return {
         "max_tokens": 1,
         "ignore_eos": True,
         "detokenize": False,
-        "extra_args": {"kv_transfer_params": salted_transfer_params(handoff, salt, tier)},
+        "extra_args": {"kv_transfer_params": transfer},
     }
 
 
@@ -98,12 +103,14 @@ class PrefillService(WorkerService):
         self.epoch = secrets.token_hex(8)  # new on every start: a restart is another producer
 
     async def prefill(
-        self, request_id: str, token_ids: list[int], salt: str | None = None
+        self, request_id: str, token_ids: list[int], salt: str | None = None, lora_name: str = ""
     ) -> PrefillResult:
-        """``salt``: the request's cache salt (its KV is shared only within the salt)."""
+        """``salt``: the request's cache salt (its KV is shared only within the salt);
+        ``lora_name``: the LoRA adapter to compute it with (empty: the base model)."""
         from vllm import SamplingParams
 
         self.check_alive()
+        adapter = self.adapters.get(lora_name)
         if not token_ids:
             raise InvalidRequest("prompt_token_ids is empty")
         if len(token_ids) >= self.info.max_model_len:
@@ -112,14 +119,21 @@ class PrefillService(WorkerService):
                 f"{self.info.max_model_len} tokens"
             )
         tier = self.settings.kv_tier != "off"
-        params = SamplingParams(**handoff_request_params(request_id, self.connector, salt, tier))
+        tag = adapter.tier_tag if adapter else None
+        params = SamplingParams(
+            **handoff_request_params(request_id, self.connector, salt, tier, tag)
+        )
         final = None
         prompt = engine_prompt(list(token_ids), salt)
         with self.counted():
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
             trace = self.trace_headers()
             async for output in self.engine.generate(
-                prompt, params, request_id, trace_headers=trace
+                prompt,
+                params,
+                request_id,
+                trace_headers=trace,
+                lora_request=self.adapters.request(lora_name),
             ):
                 final = output
         if final is None or not final.kv_transfer_params:

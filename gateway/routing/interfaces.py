@@ -23,6 +23,7 @@ class RouteRequest:
     model: str
     token_ids: Sequence[int]
     cache_salt: str | None = None  # its KV is shared only with requests of the same salt
+    lora: tuple[str, str] | None = None  # its LoRA adapter (name, path): its KV is the adapter's
 
 
 class RouteFeedback(Protocol):

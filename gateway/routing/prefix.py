@@ -167,7 +167,8 @@ class PrefixPicker:
         if self.index is None or self.tiers is None or len(sizes) != 1 or not request.token_ids:
             return None
         block_size = sizes.pop()
-        args = (request.token_ids, block_size, self.settings.hash_seed, request.cache_salt)
+        seed = self.settings.hash_seed
+        args = (request.token_ids, block_size, seed, request.cache_salt, request.lora)
         # A short prompt's hashes take less than handing them to a thread and back.
         if len(request.token_ids) <= INLINE_HASH_TOKENS:
             hashes = block_hashes(*args)

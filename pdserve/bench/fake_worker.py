@@ -105,7 +105,32 @@ class Recorder(Generic[R]):
         return worker_pb2.AbortResponse(found=True)
 
 
-class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
+class FakeAdapters:
+    """Run-time LoRA adapters as a real worker takes them: listed in its capabilities once
+    loaded (``refuse_adapters``: every load fails, as an engine without LoRA refuses it)."""
+
+    caps: worker_pb2.Capabilities
+    refuse_adapters = False
+
+    async def LoadLoraAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        if self.refuse_adapters:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scripted: no LoRA here")
+        kept = [a for a in self.caps.lora_adapters if a.name != request.name]
+        del self.caps.lora_adapters[:]
+        self.caps.lora_adapters.extend(kept)
+        self.caps.lora_adapters.add(name=request.name, path=request.path, rank=8)
+        return worker_pb2.LoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        kept = [a for a in self.caps.lora_adapters if a.name != request.name]
+        if len(kept) == len(self.caps.lora_adapters):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such adapter")
+        del self.caps.lora_adapters[:]
+        self.caps.lora_adapters.extend(kept)
+        return worker_pb2.LoraAdapterResponse()
+
+
+class FakePrefill(FakeAdapters, worker_pb2_grpc.PrefillWorkerServicer):
     """``serve_s`` > 0: prefills take that long each, one at a time (an engine's queue).
     ``traced``: a server span per call, as a real worker's (see ``_span``). ``cached_for``
     says how many prompt tokens its cache serves (default: ``cached_tokens``, at most all but
@@ -174,7 +199,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         return self.caps
 
 
-class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
+class FakeDecode(FakeAdapters, worker_pb2_grpc.DecodeWorkerServicer):
     """Streams ``pieces`` one token per chunk, the finish on the last token's chunk.
 
     ``positional``: like a greedy model, the i-th token after a prompt of length L is

@@ -79,6 +79,8 @@ def _pdserve(*args: str) -> tuple[str, ...]:
 def _engine_flags(s: UpSettings, placement: Placement, engine_args: str) -> list[str]:
     flags = ["--model", s.model] if s.model else []
     flags += ["--served-model-name", s.served_model_name] if s.served_model_name else []
+    flags += ["--lora-modules", s.lora_modules] if s.lora_modules else []
+    flags += ["--runtime-lora"] if s.allow_runtime_lora_updating else []
     if placement.cpu_cores is not None:
         flags += ["--cpu-cores", placement.cpu_cores]
     if placement.lending_table:
@@ -133,6 +135,7 @@ def parser_flags(s: UpSettings) -> list[str]:
     flags += ["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else []
     flags += ["--chat-template", s.chat_template] if s.chat_template else []
     flags += ["--trust-request-chat-template"] if s.trust_request_chat_template else []
+    flags += ["--allow-runtime-lora-updating"] if s.allow_runtime_lora_updating else []
     return flags + (
         ["--enable-tokenizer-info-endpoint"] if s.enable_tokenizer_info_endpoint else []
     )

@@ -24,6 +24,11 @@ class UpSettings(BaseSettings):
         description="model name clients use, on the gateway and every worker (empty: the "
         "model directory's name)",
     )
+    lora_modules: str = Field(
+        "",
+        description="LoRA adapters every worker serves, as vLLM's --lora-modules: "
+        "name=path[,name=path...] (PEFT directories; `pdserve model lora` writes one)",
+    )
     generation_config: str = Field(
         "auto",
         description="the gateway's sampling defaults, as vLLM's flag: auto (the model's "
@@ -46,6 +51,11 @@ class UpSettings(BaseSettings):
     )
     enable_tokenizer_info_endpoint: bool = Field(
         False, description="the gateway serves GET /tokenizer_info (as vLLM's flag)"
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="the gateway serves /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); the workers run vLLM's LoRA",
     )
     host: str = Field("127.0.0.1", description="address the gateway binds (HTTP and gRPC)")
     http_port: int = Field(shared.GATEWAY_HTTP_PORT, description="gateway OpenAI HTTP port")

@@ -34,23 +34,27 @@ def _seed_digest(seed: str) -> bytes:
 
 @functools.lru_cache(maxsize=MEMO_BLOCKS)
 def _block_digest(
-    parent: bytes, tokens: tuple[int, ...], extra: tuple[tuple[str, str], ...] | None
+    parent: bytes, tokens: tuple[int, ...], extra: tuple[tuple[str, ...], ...] | None
 ) -> bytes:
     return _sha256_cbor((parent, tokens, extra))
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, seed: int | str, cache_salt: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: int | str,
+    cache_salt: str | None = None,
+    lora: tuple[str, str] | None = None,
 ) -> list[int]:
-    """The event-style (64-bit int) hashes of every full block of ``token_ids``; a
-    ``cache_salt`` enters the first block's extra keys, as vLLM hashes it, and so every hash."""
+    """The event-style (64-bit int) hashes of every full block of ``token_ids``, with vLLM's
+    extra keys: a LoRA adapter's ``("lora", name, path)`` in every block's, then a
+    ``cache_salt`` in the first block's (vLLM's ``generate_block_hash_extra_keys``)."""
     parent = _seed_digest(str(seed))
     out = []
-    extra: tuple[tuple[str, str], ...] | None = (
-        (("cache_salt", cache_salt),) if cache_salt else None
-    )
+    every: tuple[tuple[str, ...], ...] = (("lora", *lora),) if lora else ()
+    first = every + ((("cache_salt", cache_salt),) if cache_salt else ())
     for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = (first if start == 0 else every) or None
         parent = _block_digest(parent, tuple(token_ids[start : start + block_size]), extra)
         out.append(int.from_bytes(parent, "big") & MASK_64)
-        extra = None
     return out

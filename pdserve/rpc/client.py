@@ -240,3 +240,30 @@ class GrpcClient:
         finally:
             # No-op when the call already finished; otherwise tells the server we are gone.
             rpc.cancel()
+
+
+class WorkerClient(GrpcClient):
+    """What both worker roles answer (``pdserve.v1.PrefillWorker`` and ``DecodeWorker``):
+    their capabilities and run-time LoRA adapters."""
+
+    async def capabilities(self, timeout: float | None = None) -> Any:
+        from protos.v1 import worker_pb2
+
+        request = worker_pb2.CapabilitiesRequest()
+        return await self.unary(
+            "GetCapabilities", self.stub.GetCapabilities, request, None, timeout
+        )
+
+    async def load_lora_adapter(
+        self, name: str, path: str, inplace: bool = False, timeout: float | None = None
+    ) -> None:
+        from protos.v1 import worker_pb2
+
+        request = worker_pb2.LoraAdapterRequest(name=name, path=path, load_inplace=inplace)
+        await self.unary("LoadLoraAdapter", self.stub.LoadLoraAdapter, request, None, timeout)
+
+    async def unload_lora_adapter(self, name: str, timeout: float | None = None) -> None:
+        from protos.v1 import worker_pb2
+
+        request = worker_pb2.LoraAdapterRequest(name=name)
+        await self.unary("UnloadLoraAdapter", self.stub.UnloadLoraAdapter, request, None, timeout)

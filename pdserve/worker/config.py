@@ -92,6 +92,18 @@ class WorkerSettings(BaseSettings):
     engine_args: str = Field(
         "", description="vLLM engine arguments as for `vllm serve`, e.g. '--max-model-len 4096'"
     )
+    lora_modules: str = Field(
+        "",
+        description="LoRA adapters the engine serves, as vLLM's --lora-modules: "
+        "name=path[,name=path...], each path a PEFT adapter directory (turns on vLLM's "
+        "--enable-lora, --max-loras and --max-lora-rank unless engine_args set them)",
+    )
+    runtime_lora: bool = Field(
+        False,
+        description="the engine runs vLLM's LoRA for adapters loaded at run time (the "
+        "gateway's /v1/load_lora_adapter) too: room for 4 more, of rank 16 at most, unless "
+        "engine_args set --max-loras and --max-lora-rank",
+    )
     shutdown_grace_s: float = Field(10.0, description="seconds to finish requests on shutdown")
     log_level: str = Field("INFO", description="log level")
 

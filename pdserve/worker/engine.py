@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pdserve.placement.engines import format_cores, parse_cores
 from pdserve.settings import sets_flag
-from pdserve.worker import kv_tier, owned_dirs, vllm_plugin
+from pdserve.worker import kv_tier, lora, owned_dirs, vllm_plugin
 from pdserve.worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -382,7 +382,9 @@ def engine_args(
         for line in why:
             log.info("engine default %s", line)
     served = settings.served_model_name or os.path.basename(model.rstrip("/"))
-    argv = ["--model", model, "--served-model-name", served, *defaults, *user]
+    adapters = lora.parse_modules(settings.lora_modules)
+    loras = lora.engine_flags(adapters, user, settings.runtime_lora)
+    argv = ["--model", model, "--served-model-name", served, *defaults, *loras, *user]
     args = AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
     args.kv_transfer_config = kv_transfer_config(settings, engine_id=settings.name)
     if kv_events is not None:

@@ -98,7 +98,8 @@ def _hash(value: int | bytes) -> int:
 
 
 def to_ops(events: Iterable[Any]) -> list[BlockOps]:
-    """One ``BlockOps`` per event, in order; LoRA blocks are not routed on and are skipped."""
+    """One ``BlockOps`` per event, in order. A LoRA adapter's blocks are indexed as any: vLLM's
+    hashes of them name the adapter, and the gateway hashes an adapter's prompts the same way."""
     ops = []
     for event in events:
         kind = type(event).__name__
@@ -106,7 +107,7 @@ def to_ops(events: Iterable[Any]) -> list[BlockOps]:
             ops.append(BlockOps(cleared=True))
         elif getattr(event, "group_idx", None) not in (None, 0):
             continue
-        elif kind == "BlockStored" and not event.lora_name:
+        elif kind == "BlockStored":
             # No parent: the first block stored is a prompt's first (lookups start there).
             first = getattr(event, "parent_block_hash", None) is None
             ops.append(BlockOps(stored=[_hash(h) for h in event.block_hashes], starts_prompt=first))

@@ -76,6 +76,7 @@ def _structured(spec: common_pb2.StructuredOutput) -> Any:
 # LMCache names a chunk by its tokens and the request's ``lmcache.tag.*`` settings: a salted
 # request's chunks carry its salt, so the KV tier shares them only within the salt.
 TIER_SALT_TAG = "lmcache.tag.cache_salt"
+TIER_LORA_TAG = "lmcache.tag.lora"
 
 
 def cache_salt(params: common_pb2.SamplingParams) -> str | None:
@@ -94,9 +95,12 @@ def engine_prompt(token_ids: list[int], salt: str | None) -> Any:
 
 
 def salted_transfer_params(
-    params: dict[str, Any] | None, salt: str | None, tier: bool
+    params: dict[str, Any] | None, salt: str | None, tier: bool, lora_tag: str | None = None
 ) -> dict[str, Any] | None:
-    """``params`` (a request's kv_transfer_params) with the salt's tag for a KV tier."""
-    if not (salt and tier):
+    """``params`` (a request's kv_transfer_params) with the salt's tag and the LoRA adapter's
+    (``pdserve.worker.lora``) for a KV tier."""
+    tags = {TIER_SALT_TAG: salt, TIER_LORA_TAG: lora_tag}
+    tags = {name: value for name, value in tags.items() if value}
+    if not (tags and tier):
         return params
-    return {**(params or {}), TIER_SALT_TAG: salt}
+    return {**(params or {}), **tags}

@@ -101,6 +101,24 @@ class ServicerBase:
             handoff = to_params(request.kv_transfer_params)
         return worker_pb2.AbortResponse(found=await service.abort(request.request_id, handoff))
 
+    async def LoadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        service: WorkerService = await self.ready(context)
+        try:
+            await service.adapters.load(
+                service.engine, request.name, request.path, request.load_inplace
+            )
+        except WorkerError as exc:
+            await fail(context, exc)
+        return worker_pb2.LoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        service: WorkerService = await self.ready(context)
+        try:
+            await service.adapters.unload(service.engine, request.name)
+        except WorkerError as exc:
+            await fail(context, exc)
+        return worker_pb2.LoraAdapterResponse()
+
     async def GetCapabilities(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         service: WorkerService = await self.ready(context)
         info = service.info
@@ -117,6 +135,10 @@ class ServicerBase:
             kv_connector=info.kv_connector,
             kv_compat=info.kv_compat,
             version=__version__,
+            lora_adapters=[
+                worker_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank)
+                for a in service.adapters.by_name.values()
+            ],
             load=worker_pb2.WorkerLoad(
                 running=service.load.running,
                 waiting=service.load.waiting,

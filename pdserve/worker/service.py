@@ -11,6 +11,7 @@ from pdserve.telemetry import tracing
 from pdserve.worker.config import WorkerSettings
 from pdserve.worker.engine import EngineInfo
 from pdserve.worker.errors import EngineUnavailable
+from pdserve.worker.lora import Adapters, parse_modules
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class WorkerService:
         self.engine = engine
         self.settings = settings
         self.info = info
+        self.adapters = Adapters(parse_modules(settings.lora_modules))
         self.secret = deployment_secret()  # checked by the server before the engine started
         self.load = Load()  # replaced by the server with the one the engine's stats fill
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/common.proto\x12\npdserve.v1\"\xf3\x07\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\t\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12\x11\n\tbad_words\x18\x15 \x03(\t\x12*\n\x1dspaces_between_special_tokens\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\ncache_salt\x18\x17 \x01(\tH\r\x88\x01\x01\x12\x17\n\x0fvllm_xargs_json\x18\x18 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x12\n\x10_prompt_logprobsB \n\x1e_spaces_between_special_tokensB\r\n\x0b_cache_salt\"\xb0\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xde\x01\n\rTransferStats\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\r\x12\x1b\n\x13local_cached_tokens\x18\x02 \x01(\r\x12\x1a\n\x12kv_tokens_received\x18\x03 \x01(\r\x12\x1a\n\x12kv_blocks_received\x18\x04 \x01(\r\x12\x19\n\x11kv_bytes_received\x18\x05 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x06 \x01(\x01\x12 \n\x18kv_transfer_started_unix\x18\x07 \x01(\x01\"U\n\x0b\x45ngineTimes\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/v1/common.proto\x12\npdserve.v1\"\x86\x08\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\t\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12\x11\n\tbad_words\x18\x15 \x03(\t\x12*\n\x1dspaces_between_special_tokens\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\ncache_salt\x18\x17 \x01(\tH\r\x88\x01\x01\x12\x17\n\x0fvllm_xargs_json\x18\x18 \x01(\t\x12\x11\n\tlora_name\x18\x19 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x12\n\x10_prompt_logprobsB \n\x1e_spaces_between_special_tokensB\r\n\x0b_cache_salt\"\xb0\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xde\x01\n\rTransferStats\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\r\x12\x1b\n\x13local_cached_tokens\x18\x02 \x01(\r\x12\x1a\n\x12kv_tokens_received\x18\x03 \x01(\r\x12\x1a\n\x12kv_blocks_received\x18\x04 \x01(\r\x12\x19\n\x11kv_bytes_received\x18\x05 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x06 \x01(\x01\x12 \n\x18kv_transfer_started_unix\x18\x07 \x01(\x01\"U\n\x0b\x45ngineTimes\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=1050
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=744
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=792
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1053
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1229
-  _globals['_CHOICELIST']._serialized_start=1231
-  _globals['_CHOICELIST']._serialized_end=1260
-  _globals['_TOKENLOGPROB']._serialized_start=1262
-  _globals['_TOKENLOGPROB']._serialized_end=1362
-  _globals['_TOPLOGPROB']._serialized_start=1364
-  _globals['_TOPLOGPROB']._serialized_end=1411
-  _globals['_USAGE']._serialized_start=1413
-  _globals['_USAGE']._serialized_end=1493
-  _globals['_TRANSFERSTATS']._serialized_start=1496
-  _globals['_TRANSFERSTATS']._serialized_end=1718
-  _globals['_ENGINETIMES']._serialized_start=1720
-  _globals['_ENGINETIMES']._serialized_end=1805
+  _globals['_SAMPLINGPARAMS']._serialized_end=1069
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=763
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=811
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1072
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1248
+  _globals['_CHOICELIST']._serialized_start=1250
+  _globals['_CHOICELIST']._serialized_end=1279
+  _globals['_TOKENLOGPROB']._serialized_start=1281
+  _globals['_TOKENLOGPROB']._serialized_end=1381
+  _globals['_TOPLOGPROB']._serialized_start=1383
+  _globals['_TOPLOGPROB']._serialized_end=1430
+  _globals['_USAGE']._serialized_start=1432
+  _globals['_USAGE']._serialized_end=1512
+  _globals['_TRANSFERSTATS']._serialized_start=1515
+  _globals['_TRANSFERSTATS']._serialized_end=1737
+  _globals['_ENGINETIMES']._serialized_start=1739
+  _globals['_ENGINETIMES']._serialized_end=1824
 # @@protoc_insertion_point(module_scope)

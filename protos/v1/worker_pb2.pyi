@@ -118,7 +118,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys", "kv_tier", "kv_tier_chunk_tokens")
+    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys", "kv_tier", "kv_tier_chunk_tokens", "lora_adapters")
     class KvCompatEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class Capabilities(_message.Message):
     INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     model: str
@@ -158,7 +159,32 @@ class Capabilities(_message.Message):
     index_keys: PrefixIndexKeys
     kv_tier: str
     kv_tier_chunk_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ..., kv_tier: _Optional[str] = ..., kv_tier_chunk_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ..., kv_tier: _Optional[str] = ..., kv_tier_chunk_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "load_inplace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    load_inplace: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class PrefixIndexKeys(_message.Message):
     __slots__ = ("hash_seed", "redis_prefix")

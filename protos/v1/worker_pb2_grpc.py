@@ -51,6 +51,16 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_v1_dot_worker__pb2.CapabilitiesRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.Capabilities.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/LoadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/UnloadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -76,6 +86,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load or unload a LoRA adapter at run time (the gateway's /v1/load_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +116,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetCapabilities,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.CapabilitiesRequest.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.Capabilities.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +221,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/LoadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/UnloadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A vLLM engine in the kv_consumer role: pulls a prompt's KV blocks from a prefill worker
@@ -215,6 +302,16 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_v1_dot_worker__pb2.CapabilitiesRequest.SerializeToString,
                 response_deserializer=protos_dot_v1_dot_worker__pb2.Capabilities.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/LoadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/UnloadLoraAdapter',
+                request_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -240,6 +337,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +366,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetCapabilities,
                     request_deserializer=protos_dot_v1_dot_worker__pb2.CapabilitiesRequest.FromString,
                     response_serializer=protos_dot_v1_dot_worker__pb2.Capabilities.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -342,6 +461,60 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/GetCapabilities',
             protos_dot_v1_dot_worker__pb2.CapabilitiesRequest.SerializeToString,
             protos_dot_v1_dot_worker__pb2.Capabilities.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/LoadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/UnloadLoraAdapter',
+            protos_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            protos_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,6 +27,15 @@ SERVE_ARGS = (
     "--enable-tokenizer-info-endpoint"
 )
 
+# The e2e adapter (pdserve model lora) as vLLM serves it, with the flags pdserve's workers turn
+# on for it and for adapters loaded at run time (pdserve.worker.lora.engine_flags); a second
+# one (another seed) is loaded and unloaded at run time by the battery: LORA_PATH_2 in a body
+# stands for its directory.
+LORA_NAME = "colors-lora"
+LORA_ARGS = "--enable-lora --max-loras 4 --max-lora-rank 16"
+LORA_NAME_2 = "colors-lora-2"
+LORA_PATH_2 = "<the second adapter's directory>"
+
 TEXT = "The capital of France is"
 COLORS = [{"role": "user", "content": "Name three colors."}]
 WEATHER = {
@@ -226,6 +235,30 @@ BATTERY: dict[str, tuple[str, dict[str, Any] | None]] = {
     "responses_stop": (RESPONSES, _response(stop=["."], max_output_tokens=32)),
     "responses_tool_required": (RESPONSES, RESPONSE_REQUIRED),
     "responses_tool_required_streamed": (RESPONSES, {**RESPONSE_REQUIRED, "stream": True}),
+    "lora_chat": (CHAT, _chat(model=LORA_NAME)),
+    "lora_chat_streamed": (
+        CHAT,
+        _chat(model=LORA_NAME, stream=True, stream_options={"include_usage": True}),
+    ),
+    "lora_completion": (COMPLETIONS, _completion(model=LORA_NAME)),
+    "lora_completion_logprobs": (
+        COMPLETIONS,
+        _completion(model=LORA_NAME, logprobs=2, max_tokens=6),
+    ),
+    "lora_responses": (RESPONSES, _response(model=LORA_NAME)),
+    "lora_messages": (
+        MESSAGES,
+        {"model": LORA_NAME, "max_tokens": 16, "messages": COLORS, **GREEDY},
+    ),
+    "lora_load": ("/v1/load_lora_adapter", {"lora_name": LORA_NAME_2, "lora_path": LORA_PATH_2}),
+    "error_lora_load_again": (
+        "/v1/load_lora_adapter",
+        {"lora_name": LORA_NAME_2, "lora_path": LORA_PATH_2},
+    ),
+    "lora_loaded_chat": (CHAT, _chat(model=LORA_NAME_2)),
+    "lora_unload": ("/v1/unload_lora_adapter", {"lora_name": LORA_NAME_2}),
+    "error_lora_unloaded_chat": (CHAT, _chat(model=LORA_NAME_2)),
+    "error_lora_unload_unknown": ("/v1/unload_lora_adapter", {"lora_name": LORA_NAME_2}),
     "error_responses_background": (RESPONSES, _response(background=True)),
     "error_responses_temperature": (RESPONSES, _response(temperature=-1)),
 }
@@ -243,36 +276,43 @@ INTENDED: dict[tuple[str, str], str] = {
     "clients know; vLLM 0.32 writes exception names (BadRequestError, NotFoundError). The "
     "status codes are the same",
     ("models", ".body.data[0].owned_by"): "pdserve serves the model, not vllm serve",
+    ("models", ".body.data[1].owned_by"): "and the LoRA adapter",
 }
 
 
-def vllm_serve_battery(log: Path, port: int) -> dict[str, Any]:
+def vllm_serve_battery(log: Path, port: int, adapters: tuple[str, str]) -> dict[str, Any]:
     """The battery's answers from plain ``vllm serve`` on ``port`` (pdserve's CPU engine
-    arguments, the e2e dtype, vLLM's hermes parser), started and stopped here."""
+    arguments, the e2e dtype, vLLM's hermes parser, the first of the LoRA ``adapters`` as
+    ``LORA_NAME``, the second loaded at run time), started and stopped here."""
     from pdserve.worker.engine import cpu_engine_env
 
+    lora_adapter, second = adapters
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     cpu_engine_env(env)
-    argv = monolith_argv(model_dir(), served_name(), port, engine_args=SERVE_ARGS)
+    lora = f" {LORA_ARGS} --lora-modules {LORA_NAME}={lora_adapter}"
+    argv = monolith_argv(model_dir(), served_name(), port, engine_args=SERVE_ARGS + lora)
     with child_process(argv, env, log) as process:
         try:
             _wait_http(f"http://127.0.0.1:{port}/health", process, 600, "vllm serve")
         except RuntimeError as err:
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{err}:\n{tail}") from err
-        return asyncio.run(answers(f"http://127.0.0.1:{port}", served_name()))
+        return asyncio.run(answers(f"http://127.0.0.1:{port}", served_name(), second))
 
 
-async def answers(base_url: str, model: str) -> dict[str, Any]:
+async def answers(base_url: str, model: str, second_adapter: str) -> dict[str, Any]:
     """Every case of the battery, sent one after the other: {name: {"status", "body"}} with
-    a stream's body the list of its events."""
+    a stream's body the list of its events (``second_adapter``: LORA_PATH_2's directory)."""
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
         for name, (path, body) in BATTERY.items():
             if body is None:
                 response = await http.get(path)
             else:
-                response = await http.post(path, json={"model": model, **body})
+                sent = {"model": model, **body}
+                sent = {k: second_adapter if v == LORA_PATH_2 else v for k, v in sent.items()}
+                response = await http.post(path, json=sent)
             out[name] = {"status": response.status_code, "body": _body(response)}
     return out
 

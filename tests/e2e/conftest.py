@@ -27,7 +27,7 @@ from pdserve.rpc.tls import TlsIdentity
 from pdserve.telemetry import otlp_receiver
 from tests.e2e.api_cases import CASES as API_CASES
 from tests.e2e.cases import DTYPE, cases, fill_cases, tier_cases
-from tests.e2e.conformance import vllm_serve_battery
+from tests.e2e.conformance import LORA_NAME, vllm_serve_battery
 from tests.helpers import model_dir
 
 STARTUP_TIMEOUT_S = 600
@@ -40,6 +40,19 @@ RUN_ENV = dict(os.environ)
 PORT_TAKEN = re.compile(r"in use|cannot serve gRPC|cannot bind|EADDRINUSE|is port \d+ free")
 PREFILL_WORKERS = 2  # two of each: routing spreads chats over prefill workers, and the
 DECODE_WORKERS = 2  # fault tests kill one of a kind while the other carries on
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Two LoRA adapters of the default model (``pdserve model lora``, seeds 0 and 1): the
+    shared cluster's workers and the conformance battery's ``vllm serve`` both serve the first
+    as ``LORA_NAME``; the battery loads the second at run time on both."""
+    root = tmp_path_factory.mktemp("lora")
+    for seed in (0, 1):
+        argv = [sys.executable, "-m", "pdserve", "model", "lora", "--seed", str(seed),
+                "--dest", str(root / f"adapter-{seed}")]  # fmt: skip
+        subprocess.run(argv, check=True, timeout=STARTUP_TIMEOUT_S, env=RUN_ENV)
+    return str(root / "adapter-0"), str(root / "adapter-1")
 
 
 @pytest.fixture(scope="session")
@@ -79,11 +92,13 @@ def api_reference(references: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def vllm_serve_answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def vllm_serve_answers(
+    tmp_path_factory: pytest.TempPathFactory, lora_adapters: tuple[str, str]
+) -> dict[str, Any]:
     """The conformance battery's answers from plain ``vllm serve`` (tests/e2e/conformance.py),
-    started and stopped here."""
+    started and stopped here, with the LoRA adapter as ``--enable-lora`` serves it."""
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
-    return vllm_serve_battery(log, free_port_run(1))
+    return vllm_serve_battery(log, free_port_run(1), lora_adapters)
 
 
 @dataclass
@@ -233,12 +248,13 @@ def cluster(
     api_reference: dict[str, Any],
     vllm_serve_answers: dict[str, Any],
     traces: otlp_receiver.Receiver,
+    lora_adapters: tuple[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RealCluster]:
-    """2 prefill + 2 decode workers with the KV tier in a private Redis, and the gateway,
-    started by ``pdserve up``. The monolithic references (and ``vllm serve``) run before it
-    starts, whichever test asks first: a 2-core, 24 GiB machine has no memory for one of them
-    beside the cluster.
+    """2 prefill + 2 decode workers with the KV tier in a private Redis and a LoRA adapter, and
+    the gateway, started by ``pdserve up``. The monolithic references (and ``vllm serve``)
+    run before it starts, whichever test asks first: a 2-core, 24 GiB machine has no memory for
+    one of them beside the cluster.
 
     Conditional disaggregation is off (threshold 0), so every request moves KV blocks. Every
     process exports traces to ``traces``."""
@@ -250,6 +266,9 @@ def cluster(
         "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
         # vLLM's /tokenizer_info, as the conformance battery's vllm serve has it.
         "--enable-tokenizer-info-endpoint",
+        # A LoRA adapter on every worker, others loadable at run time (tests/e2e/test_lora.py,
+        # the battery's lora cases).
+        "--lora-modules", f"{LORA_NAME}={lora_adapters[0]}", "--allow-runtime-lora-updating",
     ]  # fmt: skip
     # Tracing the standard way, one environment for up and all its children (each names
     # itself); a short batch delay so that spans arrive while a test waits for them.

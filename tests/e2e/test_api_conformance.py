@@ -15,9 +15,9 @@ from tests.helpers import served_name
 
 
 def test_pdserve_answers_the_battery_as_vllm_serve(
-    vllm_serve_answers: dict[str, Any], cluster: RealCluster
+    vllm_serve_answers: dict[str, Any], cluster: RealCluster, lora_adapters: tuple[str, str]
 ) -> None:
-    ours = asyncio.run(conformance.answers(cluster.base_url, served_name()))
+    ours = asyncio.run(conformance.answers(cluster.base_url, served_name(), lora_adapters[1]))
     both = {"vllm_serve": vllm_serve_answers, "pdserve": ours}
     (cluster.log_dir / "conformance.json").write_text(json.dumps(both, indent=1))
     found = []

@@ -289,3 +289,14 @@ async def _count(store: RedisStore, hashes: list[int], want: int) -> bool:
         return (await store.longest_prefixes(M, hashes, [W]))[W] == want
     except Exception:
         return False
+
+
+def test_a_lora_adapters_blocks_are_indexed_under_their_own_hashes() -> None:
+    """vLLM's hashes of an adapter's blocks name the adapter (tests/unit/test_block_hashes.py):
+    the index holds them as any, and a lookup finds them only for the same adapter."""
+    from vllm.distributed.kv_events import BlockStored
+
+    lora = BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=[],
+                       block_size=128, lora_id=1, medium="GPU", lora_name="colors")  # fmt: skip
+    (ops,) = to_ops([lora])
+    assert ops.stored == [7, 8] and ops.starts_prompt

@@ -73,3 +73,36 @@ def test_remembered_blocks_hash_as_computed_ones() -> None:
     salted = block_hashes(ids, 16, seed=42, cache_salt="tenant-a")
     assert all(s != p for s, p in zip(salted, later, strict=True))
     assert block_hashes(ids, 16, seed=43)[0] != later[0]
+
+
+def test_a_lora_adapters_prompt_hashes_as_vllm_hashes_it() -> None:
+    """vLLM's extra keys of an adapter's blocks (its name and path in every block, then a
+    salt in the first) are the gateway's: the index finds an adapter's KV, and only its."""
+    import os
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+
+    os.environ["PYTHONHASHSEED"] = "42"
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name("sha256_cbor")
+    kv_cache_utils.init_none_hash(fn)
+    ids = [(i * 7919) % 49152 for i in range(300)]
+    lora = LoRARequest("colors", 1, "/adapters/colors")
+    for salt in (None, "tenant-a"):
+        request = SimpleNamespace(
+            cache_salt=salt, lora_request=lora, mm_features=[], prompt_embeds=None
+        )
+        parent, theirs = None, []
+        for start in range(0, 256, 128):
+            extra, _ = kv_cache_utils.generate_block_hash_extra_keys(request, start, start + 128, 0)
+            parent = kv_cache_utils.hash_block_tokens(fn, parent, ids[start : start + 128], extra)
+            theirs.append(int.from_bytes(parent, "big") & MASK_64)
+        ours = block_hashes(ids, 128, seed=42, cache_salt=salt, lora=("colors", "/adapters/colors"))
+        assert ours == theirs, salt
+        base = block_hashes(ids, 128, seed=42, cache_salt=salt)
+        assert all(a != b for a, b in zip(ours, base, strict=True))
+    moved = block_hashes(ids, 128, seed=42, lora=("colors", "/elsewhere/colors"))
+    assert moved != block_hashes(ids, 128, seed=42, lora=("colors", "/adapters/colors"))

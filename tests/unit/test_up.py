@@ -367,6 +367,15 @@ def test_a_served_model_name_reaches_the_gateway_and_every_worker() -> None:
     assert '"model": "colors"' in ready_banner(s, Path("logs"))
 
 
+def test_lora_modules_reach_every_worker() -> None:
+    specs, _ = build_specs(parse("--lora-modules", "a=/x/a,b=/x/b"), gpus=[], cores=[0, 1])
+    given = {
+        spec.name: spec.argv[spec.argv.index("--lora-modules") + 1]
+        for spec in specs if "--lora-modules" in spec.argv
+    }  # fmt: skip
+    assert given == {"prefill-0": "a=/x/a,b=/x/b", "decode-0": "a=/x/a,b=/x/b"}
+
+
 def test_ready_banner_has_a_runnable_curl_line() -> None:
     banner = ready_banner(parse(), Path("logs"))
     expected = (

@@ -1,0 +1,73 @@
+"""``pdserve model lora``: a small LoRA adapter for the default model, made here, without a hub.
+
+The adapter is written by the ``peft`` package in PEFT's format (``adapter_config.json`` and
+``adapter_model.safetensors``), which vLLM's ``--lora-modules`` and pdserve's workers load: rank
+8 on the attention projections of every layer, its weights drawn from a seeded generator
+(PEFT's ``init_lora_weights=False``: both matrices random, so the adapter changes the model's
+answers from the first token, where a trained adapter's would). The same seed writes the same
+weights. Like ``prepare``, it is built next to its destination and renamed into place, and a
+directory already holding an adapter is kept (``--force`` rebuilds it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.settings import default_model_dir
+
+RANK = 8
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+CONFIG = "adapter_config.json"
+
+
+def default_adapter_dir() -> Path:
+    """Beside the default model: ``<model dir>-lora``."""
+    model = default_model_dir().expanduser().absolute()
+    return model.with_name(model.name + "-lora")
+
+
+def write_adapter(
+    model_dir: str,
+    dest: Path | None = None,
+    *,
+    seed: int = 0,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+) -> Path:
+    """The adapter directory for ``model_dir`` (made unless it exists; ``force``: remade)."""
+    dest = (dest or default_adapter_dir()).expanduser().absolute()
+    if (dest / CONFIG).is_file() and not force:
+        say(f"pdserve model lora: {dest} holds an adapter already")
+        return dest
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    say(f"pdserve model lora: writing a rank-{RANK} adapter of {model_dir} (seed {seed})")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=RANK,
+        lora_alpha=2 * RANK,
+        target_modules=list(TARGETS),
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
+    adapted = get_peft_model(model, config)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        adapted.save_pretrained(str(tmp))
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        tmp.chmod(0o755)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"pdserve model lora: {dest}")
+    return dest
