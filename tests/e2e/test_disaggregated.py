@@ -19,6 +19,7 @@ import pytest
 
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.cases import BLOCK, DTYPE_BYTES
+from tests.e2e.conformance import LORA_NAME
 from tests.e2e.conftest import RealCluster
 from tests.helpers import model_dir, served_name
 
@@ -165,7 +166,7 @@ async def test_async_openai_client_and_metrics(cluster: RealCluster) -> None:
 
     client = AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
     models = await client.models.list()
-    assert [m.id for m in models.data] == [served_name()]
+    assert [m.id for m in models.data] == [served_name(), LORA_NAME]  # the cluster's adapter
     reply = await client.chat.completions.create(
         model=served_name(),
         messages=[{"role": "user", "content": "Say hello."}],
