@@ -19,22 +19,15 @@ from typing import Any
 
 from gateway.errors import InvalidRequest, NotFound, NoWorkerAvailable, WorkerFailed
 from gateway.pool import DecodeWorker, PrefillWorker
+from gateway.render import validate_body
 from gateway.service import GenerationService
 from pdserve.rpc.client import RpcCallError
 
 
 def _validate(model: Any, body: Any) -> Any:
-    from pydantic import ValidationError
-
-    from gateway.errors import validation_message
-
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
-    try:
-        return model.model_validate(dict(body))
-    except ValidationError as err:
-        message, param = validation_message(err.errors())
-        raise InvalidRequest(message, param=param) from err
+    return validate_body(model, body)
 
 
 async def load(service: GenerationService, body: Any) -> str:

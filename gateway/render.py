@@ -112,7 +112,7 @@ class Renderer:
     ) -> tuple[Any, Rendered]:
         """vLLM's ``ChatCompletionRequest`` of ``body`` and its rendering."""
         _refuse(body, CHAT)
-        request = _validate(self._chat_model, body)
+        request = validate_body(self._chat_model, body)
         _check_choices(request.n)
         result = await self._render(self._serving.render_chat_request, request, served)
         return request, self._rendered(result)
@@ -122,7 +122,7 @@ class Renderer:
     ) -> tuple[Any, list[Rendered]]:
         """vLLM's ``CompletionRequest`` of ``body`` and the rendering of each of its prompts."""
         _refuse(body, COMPLETION)
-        request = _validate(self._completion_model, body)
+        request = validate_body(self._completion_model, body)
         _check_completion(request)
         results = await self._render(self._serving.render_completion_request, request, served)
         return request, [self._rendered(r) for r in results]
@@ -133,7 +133,7 @@ class Renderer:
         """vLLM's ``ResponsesRequest`` of ``body`` (stateless: no ``previous_response_id``),
         vLLM's ``SamplingParams`` for it (its answer echoes them) and its rendering."""
         _refuse(body, RESPONSES)
-        request = _validate(self._responses_model, body)
+        request = validate_body(self._responses_model, body)
         render = self._serving.render_responses_request
         result = await self._render(lambda r, _: render(r), request, served)
         return request, result.sampling_params, self._rendered(result)
@@ -158,7 +158,7 @@ class Renderer:
 
         if not isinstance(body, Mapping):
             raise InvalidRequest("the request body must be a JSON object")
-        request = _validate(TypeAdapter(TokenizeRequest), body)
+        request = validate_body(TypeAdapter(TokenizeRequest), body)
         serving = self.state.serving_tokenization
         result = await self._render(serving.create_tokenize, request, served)
         answer: dict[str, Any] = result.model_dump()
@@ -171,7 +171,7 @@ class Renderer:
 
         if not isinstance(body, Mapping):
             raise InvalidRequest("the request body must be a JSON object")
-        request = _validate(DetokenizeRequest, body)
+        request = validate_body(DetokenizeRequest, body)
         vocab = len(self.tokenizer)
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
@@ -246,8 +246,9 @@ def _refuse(body: Mapping[str, Any], refused: Mapping[str, tuple[Any, str]]) -> 
         refuse_unsupported(structured, STRUCTURED, prefix="structured_outputs.")
 
 
-def _validate(model: Any, body: Mapping[str, Any]) -> Any:
-    """``body`` as vLLM's request model; what it refuses is vLLM's 400."""
+def validate_body(model: Any, body: Mapping[str, Any]) -> Any:
+    """``body`` (a JSON object) as vLLM's request model ``model``; what it refuses is vLLM's
+    400."""
     validate = getattr(model, "model_validate", None) or model.validate_python
     try:
         return validate(dict(body))
