@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode
 
 from gateway.slo import Slo
@@ -38,6 +38,12 @@ class GatewaySettings(BaseSettings):
     model: str = Field(default="", description="local model dir for the tokenizer (empty: default)")
     served_model_name: str = Field(
         default="", description="model name clients use (empty: dir name)"
+    )
+    extra_models: WorkerList = Field(
+        default=[],
+        description="more base models behind this gateway, name=dir,name=dir (dir: the "
+        "model's directory, for its tokenizer and vLLM's front end); their workers are "
+        "discovered in the Redis registry by the model name they serve",
     )
     prefill_workers: WorkerList = Field(
         default=[], description="prefill workers, host:port,host:port"
@@ -268,7 +274,7 @@ class GatewaySettings(BaseSettings):
         "event loop (0: on the event loop)",
     )
 
-    @field_validator("prefill_workers", "decode_workers", "api_keys", mode="before")
+    @field_validator("prefill_workers", "decode_workers", "api_keys", "extra_models", mode="before")
     @classmethod
     def _addresses(cls, value: Any) -> Any:
         return _split_addresses(value)
@@ -281,6 +287,38 @@ class GatewaySettings(BaseSettings):
             if not host or not port.isdigit():
                 raise ValueError(f"worker address {address!r} is not host:port")
         return value
+
+    @field_validator("extra_models")
+    @classmethod
+    def _name_dir(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            name, _, path = entry.partition("=")
+            if not name.strip() or not path.strip():
+                raise ValueError(f"extra model {entry!r} is not name=dir")
+        return value
+
+    @model_validator(mode="after")
+    def _extra_models_found(self) -> GatewaySettings:
+        if self.extra_models and not self.redis_url:
+            raise ValueError(
+                "extra_models needs redis_url: the other models' workers are discovered in "
+                "the registry"
+            )
+        return self
+
+    def served_models(self) -> list[tuple[str, str]]:
+        """(name, directory) of every base model, the first (``model``) first; a name given
+        twice is an error."""
+        primary = self.model_dir()
+        models = [(self.model_name(primary), primary)]
+        for entry in self.extra_models:
+            name, _, path = entry.partition("=")
+            models.append((name.strip(), path.strip()))
+        names = [name for name, _ in models]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"the model name {name!r} is served twice")
+        return models
 
     @property
     def slo(self) -> Slo:

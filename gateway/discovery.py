@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from gateway.pool import WorkerPool
-from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRegistry
+from pdserve.kvindex.interfaces import IndexUnavailable, WorkerRecord, WorkerRegistry
 from pdserve.kvindex.redis_store import RedisStore
 from pdserve.runtime.supervise import start_task
 from pdserve.runtime.tasks import cancel_and_wait
@@ -23,8 +24,13 @@ REGISTRY_RESET_GRACE_S = 15.0
 
 
 class RegistryDiscovery:
-    def __init__(self, pool: WorkerPool, registry: WorkerRegistry, interval_s: float) -> None:
-        self.pool = pool
+    def __init__(
+        self, pools: WorkerPool | Sequence[WorkerPool], registry: WorkerRegistry, interval_s: float
+    ) -> None:
+        # One pool per served model: a record goes to the pool of the model it serves, else
+        # to the first (which refuses it and says why in /health).
+        self.pools = [pools] if isinstance(pools, WorkerPool) else list(pools)
+        self.pool = self.pools[0]
         self.registry = registry
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -73,7 +79,23 @@ class RegistryDiscovery:
             )
             self._keep_until = time.monotonic() + REGISTRY_RESET_GRACE_S
         self._epoch = epoch
-        await self.pool.reconcile(records, keep_missing=time.monotonic() < self._keep_until)
+        keep = time.monotonic() < self._keep_until
+        by_model: dict[str, list[WorkerRecord]] = {}
+        models = {pool.model_name for pool in self.pools}
+        for record in records:
+            by_model.setdefault(record.model if record.model in models else "", []).append(record)
+        if len(self.pools) == 1:
+            await self.pool.reconcile(records, keep_missing=keep)
+            return
+        await asyncio.gather(
+            *(
+                pool.reconcile(
+                    by_model.get(pool.model_name, []) + (by_model.get("", []) if i == 0 else []),
+                    keep_missing=keep,
+                )
+                for i, pool in enumerate(self.pools)
+            )
+        )
 
     async def _loop(self) -> None:
         while True:

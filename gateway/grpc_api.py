@@ -31,6 +31,7 @@ from gateway.errors import (
     public_message,
 )
 from gateway.events import Finish, TokenDelta
+from gateway.models import ServedModels
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
 from pdserve.rpc.client import REQUEST_ID_METADATA
 from pdserve.telemetry import tracing
@@ -180,14 +181,17 @@ def _final(event: Finish, routing: bool) -> generate_pb2.GenerateResponse:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, service: GenerationService, api_keys: ApiKeys | None = None) -> None:
-        self.service = service
+    def __init__(
+        self, served: ServedModels | GenerationService, api_keys: ApiKeys | None = None
+    ) -> None:
+        self.served = ServedModels.of(served)
+        self.settings = self.served.settings
         self.api_keys = api_keys or ApiKeys(())
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
         """End the call with ``err``'s status; without routing headers its text names no
         worker address."""
-        message = public_message(err, self.service.settings.routing_headers)
+        message = public_message(err, self.settings.routing_headers)
         await context.abort(status_code(err), message)
         raise AssertionError("context.abort returned")  # it always raises
 
@@ -227,18 +231,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         metadata: dict[str, str],
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """The call's messages; a chat's parsed by the gateway's parsers when it has them."""
+        service = self.served.for_model(request.model)
         params = common_pb2.SamplingParams()
         params.CopyFrom(request.params)
         parsed = None
         kind = request.WhichOneof("input")
         if kind == "text":
-            prompt = Prompt(token_ids=tuple(await self._render_text(request)))
+            prompt = Prompt(token_ids=tuple(await self._render_text(service, request)))
         elif kind == "token_ids":
             prompt = Prompt(token_ids=tuple(request.token_ids.ids))
         elif kind == "chat":
-            chat, ids = await self._render_chat(request)
+            chat, ids = await self._render_chat(service, request)
             prompt = Prompt(token_ids=tuple(ids))
-            parsed = (await self.service.renderer.get()).parsed(chat)
+            parsed = (await service.renderer.get()).parsed(chat)
             if parsed is not None:
                 parsed.adjust(params)
         else:
@@ -248,9 +253,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         core = GenerateRequest(
             request_id, prompt, params, request.model, ENDPOINT,
             deadline_s=context.time_remaining(),
-            slo=self.service.settings.slo.with_headers(metadata),
+            slo=self.settings.slo.with_headers(metadata),
         )  # fmt: skip
-        generation = await self.service.start(core)
+        generation = await service.start(core)
         parser = None if parsed is None else parsed.choice(generation.token_ids)
         async for event in generation.events():
             if isinstance(event, TokenDelta):
@@ -262,31 +267,35 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 yield message
                 continue
             context.set_trailing_metadata(tuple(generation.routing_headers().items()))
-            final = _final(event, self.service.settings.routing_headers)
+            final = _final(event, self.settings.routing_headers)
             if parser is not None:
                 _parsed(final, parser.delta("", (), finished=True))
                 final.finish_reason = parser.finish_reason(event.finish_reason)
             yield final
 
+    @staticmethod
     async def _render_chat(
-        self, request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest
+        service: GenerationService,
+        request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
     ) -> tuple[Any, list[int]]:
         """A call's chat rendered by vLLM's renderer as the HTTP API renders it: vLLM's
         validated request and the prompt's ids. The call's own sampling parameters stay the
         gRPC API's."""
-        renderer = await self.service.renderer.get()
-        chat, rendered = await renderer.chat(chat_body(request), self.service.served())
+        renderer = await service.renderer.get()
+        chat, rendered = await renderer.chat(chat_body(request), service.served())
         return chat, rendered.token_ids
 
+    @staticmethod
     async def _render_text(
-        self, request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest
+        service: GenerationService,
+        request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
     ) -> list[int]:
         """A text prompt's ids, as vLLM renders a completion's."""
         body: dict[str, Any] = {"prompt": request.text, "max_tokens": 1}
         if request.model:
             body["model"] = request.model
-        renderer = await self.service.renderer.get()
-        _, rendered = await renderer.completion(body, self.service.served())
+        renderer = await service.renderer.get()
+        _, rendered = await renderer.completion(body, service.served())
         return rendered[0].token_ids
 
     async def ListModels(
@@ -294,8 +303,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> generate_pb2.ListModelsResponse:
         await self._authorize(context)
         models = [
-            generate_pb2.Model(id=m.id, max_model_len=m.max_model_len)
-            for m in self.service.models()
+            generate_pb2.Model(id=m.id, max_model_len=m.max_model_len) for m in self.served.models()
         ]
         return generate_pb2.ListModelsResponse(models=models)
 
@@ -303,14 +311,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.TokenizeResponse:
         await self._authorize(context)
+        service = self.served.for_model(request.model)
         try:
-            self.service.check_model(request.model)
+            service.check_model(request.model)
             if request.WhichOneof("input") == "chat":
-                _, ids = await self._render_chat(request)
+                _, ids = await self._render_chat(service, request)
             else:
-                ids = await self._render_text(request)
+                ids = await self._render_text(service, request)
         except GatewayError as err:
             await self._abort(context, err)
         return generate_pb2.TokenizeResponse(
-            token_ids=ids, count=len(ids), max_model_len=self.service.pool.max_model_len()
+            token_ids=ids, count=len(ids), max_model_len=service.pool.max_model_len()
         )

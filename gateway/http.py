@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import metadata
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +44,7 @@ from gateway.errors import GatewayError, InvalidRequest, validation_message
 from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
 from gateway.generation import Generation
 from gateway.http_errors import ERROR_RESPONSES, error_response
+from gateway.models import ServedModels
 from gateway.offload import BuiltOnce
 from gateway.openai_request import AnswerShape, chat_shape, completion_shape
 from gateway.openai_serving import OpenAIResponder
@@ -136,10 +137,15 @@ class RequestIdMiddleware:
                     tracing.fail(span, f"HTTP {status['code']}")
 
 
-def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> FastAPI:
+def create_app(
+    served: ServedModels | GenerationService, api_keys: ApiKeys | None = None
+) -> FastAPI:
+    """The app over the gateway's models (``gateway.models``): each request is served by its
+    ``model``'s service."""
+    served = ServedModels.of(served)
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     app.add_middleware(RequestIdMiddleware)
-    _add_error_handlers(app, service.settings.routing_headers)
+    _add_error_handlers(app, served.settings.routing_headers)
     keys = api_keys or ApiKeys(())
 
     async def authorize(
@@ -148,11 +154,11 @@ def create_app(service: GenerationService, api_keys: ApiKeys | None = None) -> F
         keys.check(request.headers.get("authorization"))
 
     api = APIRouter(dependencies=[Depends(authorize)], responses=ERROR_RESPONSES)
-    _add_generation_routes(api, service)
-    _add_token_routes(api, service)
-    _add_server_routes(api, service)
+    _add_generation_routes(api, served)
+    _add_token_routes(api, served)
+    _add_server_routes(api, served)
     app.include_router(api)
-    _add_open_routes(app, service)
+    _add_open_routes(app, served)
     _document_vllm_bodies(app)
     return app
 
@@ -179,10 +185,25 @@ def _document_vllm_bodies(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
+class PerModel(Generic[T]):
+    """One ``T`` per model's service, built once on first use (``BuiltOnce``)."""
+
+    def __init__(self, build: Callable[[GenerationService], T]) -> None:
+        self._build = build
+        self._built: dict[int, BuiltOnce[T]] = {}
+
+    async def get(self, service: GenerationService) -> T:
+        built = self._built.get(id(service))
+        if built is None:
+            built = self._built[id(service)] = BuiltOnce(lambda: self._build(service))
+        return await built.get()
+
+
+def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
     @api.post("/v1/completions", response_model=None, openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
+        service = served.for_body(body)
         renderer = await service.renderer.get()
         completion, rendered = await renderer.completion(body, service.served())
         shape = completion_shape(completion)
@@ -203,58 +224,63 @@ def _add_generation_routes(api: APIRouter, service: GenerationService) -> None:
         "/v1/chat/completions", response_model=None, openapi_extra=_body("ChatCompletionRequest")
     )
     async def chat_completions(request: Request) -> Response:
-        return await _serve_chat(service, request, await _json_body(request), "chat_completions")
+        body = await _json_body(request)
+        return await _serve_chat(served.for_body(body), request, body, "chat_completions")
 
-    template = service.tokenizer.chat_template
-    anthropic = BuiltOnce(lambda: AnthropicApi(template))
+    anthropic = PerModel(lambda service: AnthropicApi(service.tokenizer.chat_template))
 
     @api.post("/v1/messages", response_model=None)
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API: vLLM's conversion to and from a chat completion."""
-        converter = await anthropic.get()
-        chat = converter.chat_body(await _json_body(request))
+        body = await _json_body(request)
+        service = served.for_body(body)
+        converter = await anthropic.get(service)
+        chat = converter.chat_body(body)
         return await _serve_chat(service, request, chat, "messages", converter)
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         """The prompt tokens of a Messages request, as the gateway renders it."""
-        converter = await anthropic.get()
-        chat = converter.chat_body(await _json_body(request), count=True)
+        body = await _json_body(request)
+        service = served.for_body(body)
+        converter = await anthropic.get(service)
+        chat = converter.chat_body(body, count=True)
         renderer = await service.renderer.get()
         _, rendered = await renderer.chat({"max_tokens": 1, **chat}, service.served())
         return converter.token_count(len(rendered.token_ids))
 
-    _add_responses_routes(api, service)
-    if service.settings.allow_runtime_lora_updating:
-        _add_lora_routes(api, service)
+    _add_responses_routes(api, served)
+    if served.settings.allow_runtime_lora_updating:
+        _add_lora_routes(api, served)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return fmt.models_body(service.models())
+        return fmt.models_body(served.models())
 
 
-def _add_lora_routes(api: APIRouter, service: GenerationService) -> None:
+def _add_lora_routes(api: APIRouter, served: ServedModels) -> None:
     """vLLM's run-time LoRA endpoints (``gateway.lora_admin``): vLLM's text answers."""
 
     @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        return Response(await lora_admin.load(service, await _json_body(request)))
+        return Response(await lora_admin.load(served, await _json_body(request)))
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        return Response(await lora_admin.unload(service, await _json_body(request)))
+        return Response(await lora_admin.unload(served, await _json_body(request)))
 
 
-def _add_responses_routes(api: APIRouter, service: GenerationService) -> None:
+def _add_responses_routes(api: APIRouter, served: ServedModels) -> None:
     """OpenAI's Responses API, stateless: rendered by vLLM's renderer, answered by vLLM's
     Responses serving (``gateway.responses_api``)."""
-    built = BuiltOnce(lambda: ResponsesApi(service.renderer.blocking_get(), service.tokenizer))
+    built = PerModel(lambda s: ResponsesApi(s.renderer.blocking_get(), s.tokenizer))
 
     @api.post("/v1/responses", response_model=None, openapi_extra=_body("ResponsesRequest"))
     async def responses(request: Request) -> Response:
         body = await _json_body(request)
+        service = served.for_body(body)
         renderer = await service.renderer.get()
-        answer = await built.get()
+        answer = await built.get(service)
         asked, params, rendered = await renderer.responses(body, service.served())
         answer.check(asked)
         parent = GenerateRequest(
@@ -283,11 +309,11 @@ def _add_responses_routes(api: APIRouter, service: GenerationService) -> None:
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Response:
-        raise (await built.get()).not_found(response_id)
+        raise (await built.get(served.default)).not_found(response_id)
 
     @api.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str) -> Response:
-        raise (await built.get()).not_found(response_id)
+        raise (await built.get(served.default)).not_found(response_id)
 
 
 def _body(model: str) -> dict[str, Any]:
@@ -321,28 +347,32 @@ def _chosen_id(body: Mapping[str, Any]) -> str | None:
     return chosen if isinstance(chosen, str) else None
 
 
-def _add_token_routes(api: APIRouter, service: GenerationService) -> None:
+def _add_token_routes(api: APIRouter, served: ServedModels) -> None:
     @api.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
         """vLLM's ``/tokenize``: the ids a generation request sends to the workers."""
+        body = await _json_body(request)
+        service = served.for_body(body)
         renderer = await service.renderer.get()
-        return await renderer.tokenize(await _json_body(request), service.served())
+        return await renderer.tokenize(body, service.served())
 
-    if service.settings.enable_tokenizer_info_endpoint:
+    if served.settings.enable_tokenizer_info_endpoint:
 
         @api.get("/tokenizer_info")
         async def tokenizer_info_route() -> dict[str, Any]:
-            """vLLM's tokenizer configuration, by vLLM's own code (``gateway.tokenizer_info``)."""
-            return await tokenizer_info((await service.renderer.get()).state)
+            """vLLM's tokenizer configuration, by vLLM's own code (``gateway.tokenizer_info``):
+            the default model's, as ``vllm serve`` has one."""
+            return await tokenizer_info((await served.default.renderer.get()).state)
 
     @api.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
         """vLLM's ``/detokenize``."""
-        renderer = await service.renderer.get()
-        return await renderer.detokenize(await _json_body(request))
+        body = await _json_body(request)
+        renderer = await served.for_body(body).renderer.get()
+        return await renderer.detokenize(body)
 
 
-def _add_server_routes(api: APIRouter, service: GenerationService) -> None:
+def _add_server_routes(api: APIRouter, served: ServedModels) -> None:
     @api.get("/version")
     async def version() -> dict[str, str]:
         """vLLM's ``/version`` (the vLLM the workers run, as installed here) and pdserve's."""
@@ -351,7 +381,7 @@ def _add_server_routes(api: APIRouter, service: GenerationService) -> None:
     @api.get("/load")
     async def load() -> dict[str, int]:
         """vLLM's ``/load``: the generations in progress through this gateway."""
-        return {"server_load": service.active}
+        return {"server_load": served.active}
 
 
 def vllm_version() -> str:
@@ -363,32 +393,43 @@ def vllm_version() -> str:
     return "unknown"
 
 
-def _add_open_routes(app: FastAPI, service: GenerationService) -> None:
+def _add_open_routes(app: FastAPI, served: ServedModels) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        healthy = len(service.pool.healthy_decode())
-        ready = service.ready()  # and vLLM's front end can render
-        body = {
+        pools = served.pools
+        ready = served.ready()  # and vLLM's front end can render
+        body: dict[str, Any] = {
             "status": "ok" if ready else "unavailable",
-            "renderer": "ready" if service.renderer.built else "starting",
-            "healthy_decode_workers": healthy,
-            "healthy_prefill_workers": len(service.pool.healthy_prefill()),
+            "renderer": "ready" if all(s.renderer.built for s in served) else "starting",
+            "healthy_decode_workers": sum(len(p.healthy_decode()) for p in pools),
+            "healthy_prefill_workers": sum(len(p.healthy_prefill()) for p in pools),
             # Workers the gateway will not use: their model, hash seed or key prefix differ.
             "refused_workers": [
                 {"address": w.address, "role": w.role_name, "reason": w.refused}
-                for w in service.pool.refused()
+                for p in pools
+                for w in p.refused()
             ],
             # Prefill/decode pairs whose KV caches are not exchangeable (kv_compat differs):
             # their requests are computed by the decode worker alone.
             "unpaired_workers": [
-                {"prefill": p, "decode": d, "reason": why} for p, d, why in service.pool.unpaired()
+                {"prefill": pf, "decode": d, "reason": why}
+                for p in pools
+                for pf, d, why in p.unpaired()
             ],
         }
+        if len(pools) > 1:  # each model's own workers
+            body["models"] = {
+                s.model_name: {
+                    "healthy_decode_workers": len(s.pool.healthy_decode()),
+                    "healthy_prefill_workers": len(s.pool.healthy_prefill()),
+                }
+                for s in served
+            }
         return JSONResponse(body, 200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+        return Response(served.metrics.render(), media_type=served.metrics.content_type)
 
 
 def _add_error_handlers(app: FastAPI, routing: bool) -> None:

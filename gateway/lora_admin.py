@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import InvalidRequest, NotFound, NoWorkerAvailable, WorkerFailed
+from gateway.models import ServedModels
 from gateway.pool import DecodeWorker, PrefillWorker
 from gateway.render import validate_body
 from gateway.service import GenerationService
@@ -30,16 +31,19 @@ def _validate(model: Any, body: Any) -> Any:
     return validate_body(model, body)
 
 
-async def load(service: GenerationService, body: Any) -> str:
-    """Load the adapter on every healthy worker; vLLM's success text."""
+async def load(served: ServedModels, body: Any) -> str:
+    """Load the adapter on every healthy worker of its base model (``base_model_name``, a
+    pdserve field named as in vLLM's ``--lora-modules``; absent: the default model); vLLM's
+    success text."""
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     request = _validate(LoadLoRAAdapterRequest, body)
     name, path = request.lora_name, request.lora_path
     if not name or not path:
         raise InvalidRequest("Both 'lora_name' and 'lora_path' must be provided.")
-    if name == service.model_name:
+    if any(name == s.model_name for s in served):
         raise InvalidRequest(f"The lora adapter '{name}' conflicts with a served base model.")
+    service = _base_model(served, body.get("base_model_name"))
     if name in service.pool.adapters() and not request.load_inplace:
         raise InvalidRequest(
             f"The lora adapter '{name}' has already been loaded. If you want to load the "
@@ -53,7 +57,7 @@ async def load(service: GenerationService, body: Any) -> str:
     return f"Success: LoRA adapter '{name}' added successfully."
 
 
-async def unload(service: GenerationService, body: Any) -> str:
+async def unload(served: ServedModels, body: Any) -> str:
     """Unload the adapter from every worker that serves it; vLLM's success text."""
     from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
@@ -61,6 +65,7 @@ async def unload(service: GenerationService, body: Any) -> str:
     name = request.lora_name
     if not name:
         raise InvalidRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
+    service = served.for_model(name)
     workers: list[PrefillWorker | DecodeWorker] = [*service.pool.prefill, *service.pool.decode]
     holders = [w for w in workers if w.adapter_path(name) is not None]
     if not holders:
@@ -72,6 +77,15 @@ async def unload(service: GenerationService, body: Any) -> str:
         holders,
     )
     return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def _base_model(served: ServedModels, name: Any) -> GenerationService:
+    if name is None:
+        return served.default
+    found = [s for s in served if s.model_name == name]
+    if not found:
+        raise NotFound(f"The model `{name}` does not exist.", param="base_model_name")
+    return found[0]
 
 
 async def _on_every_worker(

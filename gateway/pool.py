@@ -165,6 +165,9 @@ class WorkerPool:
             for a in settings.decode_workers
         ]
         self._incompatible: dict[tuple[str, str], str] = {}  # (prefill, decode) -> why
+        # adapters(), kept until a worker's health or capabilities change (every request
+        # asks, and reading every worker's adapters each time costs O(workers))
+        self._adapters: dict[str, str] | None = None
         self.model_name = ""  # the served model workers must report (set by the gateway)
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
@@ -261,9 +264,11 @@ class WorkerPool:
                           worker.role_name, worker.address, mismatch)  # fmt: skip
             worker.refused = worker.last_error = mismatch
             worker.healthy = False
+            self._adapters = None
             return
         worker.refused = ""
         worker.capabilities = caps
+        self._adapters = None
         stalled = self._stalled(worker, caps.load)
         self._set_health(worker, not stalled, stalled)
 
@@ -295,6 +300,7 @@ class WorkerPool:
             log.warning("%s worker %s is unhealthy: %s", worker.role_name, worker.address, why)
         worker.healthy = healthy
         worker.last_error = why
+        self._adapters = None
         if healthy:
             worker.down.clear()
         else:
@@ -354,6 +360,7 @@ class WorkerPool:
             worker.address,
         )
         worker.healthy = False
+        self._adapters = None
         if worker in self.prefill:
             self.prefill.remove(worker)  # type: ignore[arg-type]
         if worker in self.decode:
@@ -446,11 +453,13 @@ class WorkerPool:
         """The LoRA adapters healthy decode workers serve, name -> path (the first worker's
         where two differ: a worker with another path is not routed that adapter's requests,
         see ``WorkerPool.serving``)."""
-        found: dict[str, str] = {}
-        for worker in self.healthy_decode():
-            for adapter in worker.capabilities.lora_adapters if worker.capabilities else ():
-                found.setdefault(adapter.name, adapter.path)
-        return found
+        if self._adapters is None:
+            found: dict[str, str] = {}
+            for worker in self.healthy_decode():
+                for adapter in worker.capabilities.lora_adapters if worker.capabilities else ():
+                    found.setdefault(adapter.name, adapter.path)
+            self._adapters = found
+        return self._adapters
 
     @staticmethod
     def serving(workers: Sequence[W], adapter: tuple[str, str] | None) -> list[W]:

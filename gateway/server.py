@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import uvicorn
 from grpc_health.v1 import health_pb2
@@ -24,8 +24,9 @@ from gateway.grpc_api import SERVICE_NAME, GenerationServicer
 from gateway.http import create_app
 from gateway.interfaces import PromptTokenizer
 from gateway.metrics import GatewayMetrics
+from gateway.models import ServedModels
 from gateway.offload import Offload
-from gateway.pool import WorkerPool
+from gateway.pool import DecodeWorker, PrefillWorker, WorkerPool
 from gateway.routing import plugins  # noqa: F401  (registers the built-in pickers)
 from gateway.routing.registry import PickerContext, make_picker
 from gateway.service import GenerationService
@@ -78,13 +79,18 @@ class GatewayServer:
         self.api_keys = ApiKeys.from_settings(settings)
         self._tokenizer = tokenizer
         self.metrics = GatewayMetrics()
+        # One pool per served model: the first takes the static worker lists; the other
+        # models' workers are discovered in the registry by the model name they serve.
         self.pool = WorkerPool(settings)
-        self.metrics.registry.register(
-            WorkerCollector(lambda: [*self.pool.prefill, *self.pool.decode])
-        )
+        static: dict[str, list[str]] = {"prefill_workers": [], "decode_workers": []}
+        self.pools = [self.pool] + [
+            WorkerPool(settings.model_copy(update=static)) for _ in settings.extra_models
+        ]
+        self.metrics.registry.register(WorkerCollector(self._workers))
         # Templates, tokenization and block hashing run on these threads (gateway.offload).
         self.offload = Offload(settings.prompt_threads)
-        self.service: GenerationService | None = None
+        self.service: GenerationService | None = None  # the default (first) model's
+        self.served: ServedModels | None = None
         self.http_port = 0
         self.grpc_port = 0
         self._http: _EmbeddedUvicorn | None = None
@@ -98,66 +104,90 @@ class GatewayServer:
             self.store = RedisStore(
                 settings.redis_url, prefix=settings.redis_prefix, timeout_s=_REDIS_TIMEOUT_S
             )
-            self.discovery = RegistryDiscovery(self.pool, self.store, settings.discovery_interval_s)
+            self.discovery = RegistryDiscovery(
+                self.pools, self.store, settings.discovery_interval_s
+            )
         self.shared_load: SharedLoad | None = None
         if self.store is not None and settings.load_share_interval_s > 0:
             self.shared_load = SharedLoad(
                 self.store.client,
                 Keys(settings.redis_prefix).inflight,
                 settings.load_share_interval_s,
-                self.pool.local_in_flight,
-                self.pool.set_peer_in_flight,
+                self._local_in_flight,
+                self._set_peer_in_flight,
                 registry=self.metrics.registry,
             )
 
-    def _build_service(self) -> GenerationService:
-        model_dir = self.settings.model_dir()
-        self.pool.model_name = self.settings.model_name(model_dir)
-        if self._tokenizer is None:
-            from gateway.tokenizer import HfTokenizer
+    def _workers(self) -> list[PrefillWorker | DecodeWorker]:
+        workers: list[PrefillWorker | DecodeWorker] = []
+        for pool in self.pools:
+            workers += [*pool.prefill, *pool.decode]
+        return workers
 
-            self._tokenizer = HfTokenizer(model_dir)
-        return GenerationService(
-            self.settings,
-            model_name=self.settings.model_name(model_dir),
-            tokenizer=self._tokenizer,
-            pool=self.pool,
-            picker=make_picker(
-                self.settings.picker_name(),
-                PickerContext(self.settings, self.metrics, index=self.store, offload=self.offload),
-            ),
-            metrics=self.metrics,
-            offload=self.offload,
-        )
+    def _local_in_flight(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for pool in self.pools:
+            totals.update(pool.local_in_flight())
+        return totals
+
+    def _set_peer_in_flight(self, totals: Mapping[str, int]) -> None:
+        for pool in self.pools:
+            pool.set_peer_in_flight(totals)
+
+    def _build_services(self) -> ServedModels:
+        """One service per model: its pool, tokenizer (the injected one for the first model),
+        vLLM front end and picker."""
+        from gateway.tokenizer import HfTokenizer
+
+        services = []
+        models = self.settings.served_models()
+        for i, ((name, model_dir), pool) in enumerate(zip(models, self.pools, strict=True)):
+            pool.model_name = name
+            tokenizer = self._tokenizer if i == 0 and self._tokenizer else HfTokenizer(model_dir)
+            context = PickerContext(self.settings, self.metrics, self.store, self.offload)
+            services.append(
+                GenerationService(
+                    self.settings,
+                    model_name=name,
+                    tokenizer=tokenizer,
+                    pool=pool,
+                    picker=make_picker(self.settings.picker_name(), context),
+                    metrics=self.metrics,
+                    offload=self.offload,
+                )
+            )
+        return ServedModels(services)
 
     async def start(self) -> None:
         """Bind HTTP and gRPC first (port 0 works; clients get 503 until a decode worker is
         healthy), then the first worker health check and discovery, each bounded. vLLM's
         front end (seconds: it imports torch) builds in a thread meanwhile; ``start`` returns
         once it can render."""
-        service = self.service = self._build_service()
-        renderer = asyncio.ensure_future(service.renderer.get())
+        served = self.served = self._build_services()
+        self.service = served.default
+        renderers = asyncio.gather(*(s.renderer.get() for s in served))
         try:
-            await self._start_serving(service)
-            await renderer  # e.g. a parser name vLLM does not know: ValueError
+            await self._start_serving(served)
+            await renderers  # e.g. a parser name vLLM does not know: ValueError
             self._update_health()  # ready now that it can render
         except BaseException:
-            renderer.cancel()
-            await asyncio.gather(renderer, return_exceptions=True)
+            renderers.cancel()
+            await asyncio.gather(renderers, return_exceptions=True)
             await self.stop(grace_s=0)  # nothing it started outlives the failed start
             raise
         log.info(
-            "gateway serving model %s: HTTP on %s:%d, gRPC on %s:%d",
-            service.model_name,
+            "gateway serving %s %s: HTTP on %s:%d, gRPC on %s:%d",
+            "models" if len(served.services) > 1 else "model",
+            ", ".join(s.model_name for s in served),
             self.settings.http_host,
             self.http_port,
             self.settings.http_host,
             self.grpc_port,
         )
 
-    async def _start_serving(self, service: GenerationService) -> None:
-        await self._start_http(service)
-        servicer = GenerationServicer(service, self.api_keys)
+    async def _start_serving(self, served: ServedModels) -> None:
+        await self._start_http(served)
+        servicer = GenerationServicer(served, self.api_keys)
         self._grpc = GrpcServer(
             self.settings.http_host,
             self.settings.grpc_port,
@@ -165,20 +195,21 @@ class GatewayServer:
             [SERVICE_NAME],
         )
         self.grpc_port = await self._grpc.start()
-        self.pool.add_listener(self._update_health)
+        for pool in self.pools:
+            pool.add_listener(self._update_health)
         self._update_health()
-        await self.pool.start()
+        await asyncio.gather(*(pool.start() for pool in self.pools))
         if self.discovery is not None:
             # The registry's calls and the new workers' health checks, one after the other.
             await self.discovery.start(_REDIS_TIMEOUT_S * 2 + self.settings.control_timeout_s + 1.0)
         if self.shared_load is not None:
             self.shared_load.start()
 
-    async def _start_http(self, service: GenerationService) -> None:
+    async def _start_http(self, served: ServedModels) -> None:
         sock = _bind(self.settings.http_host, self.settings.http_port)
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(service, self.api_keys),
+            create_app(served, self.api_keys),
             log_config=None,
             lifespan="off",
             access_log=False,
@@ -197,11 +228,11 @@ class GatewayServer:
         exit_if_ended(self._http_task, "gateway-http", lambda: bool(http.should_exit))
 
     def _update_health(self) -> None:
-        if self._grpc is None or self.service is None or self._stopping:
+        if self._grpc is None or self.served is None or self._stopping:
             return
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if self.service.ready()
+            if self.served.ready()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         task = asyncio.ensure_future(self._grpc.health.set(SERVICE_NAME, status))
@@ -219,13 +250,14 @@ class GatewayServer:
             await asyncio.gather(*self._health_tasks, return_exceptions=True)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
-        if self.service is not None:
-            await self.service.close()
+        if self.served is not None:
+            await self.served.close()
         if self.discovery is not None:
             await self.discovery.close()
         if self.shared_load is not None:
             await self.shared_load.close()
-        await self.pool.close()
+        for pool in self.pools:
+            await pool.close()
         if self.store is not None:
             await self.store.close()
         self.offload.close()

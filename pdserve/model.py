@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--dest", type=Path, default=None, help="directory (default: beside it)")
     lora.add_argument("--seed", type=int, default=0, help="seed of its random weights")
     lora.add_argument("--force", action="store_true", help="rewrite even if it exists")
+    lora.add_argument(
+        "--merged", action="store_true", help="write a whole model: the base with it merged in"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
         elif args.model_command == "lora":
             from pdserve.model_lora import write_adapter
 
-            write_adapter(resolve_model(None), args.dest, seed=args.seed, force=args.force)
+            write_adapter(
+                resolve_model(None), args.dest, seed=args.seed, force=args.force,
+                merged=args.merged,
+            )  # fmt: skip
         else:
             print(resolve_model(None))
     except (ModelError, OSError) as exc:

@@ -148,6 +148,7 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
         "gateway", "--http-host", s.host, "--http-port", str(s.http_port),
         "--grpc-port", str(s.grpc_port), *(["--model", s.model] if s.model else []),
         *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
+        *(["--extra-models", s.extra_models] if s.extra_models else []),
         *(["--generation-config", s.generation_config] if s.generation_config != "auto" else []),
         *parser_flags(s),
         # "=": an empty list (no prefill workers) stays an explicit empty value.
@@ -155,7 +156,8 @@ def gateway_spec(s: UpSettings) -> ChildSpec:
         *(["--redis-url", s.redis_url] if s.redis_url and not has_credentials(s.redis_url) else []),
     )  # fmt: skip
     # Ready when the gateway itself sees every worker, so no first request goes local.
-    expect = {"healthy_prefill_workers": s.prefill, "healthy_decode_workers": s.decode}
+    prefill_workers, decode_workers = s.workers()
+    expect = {"healthy_prefill_workers": prefill_workers, "healthy_decode_workers": decode_workers}
     health = http_ok(f"http://{client_host(s.host)}:{s.http_port}/health", expect)
     return ChildSpec("gateway", argv, CHILD_ENV, health, stop_stage=0)
 
@@ -216,7 +218,33 @@ def build_specs(
     for i, name in enumerate(names):
         role, index = name.split("-")
         specs.append(worker_spec(s, role, int(index), placements[i], connector, after[i], tls))
+    specs += more_model_specs(s, placements, connector, tls)
     return [*specs, gateway_spec(s)], warning
+
+
+def more_model_specs(
+    s: UpSettings,
+    placements: Sequence[Placement],
+    connector: str,
+    tls: rpc_tls.TlsIdentity | None = None,
+) -> list[ChildSpec]:
+    """The workers of ``--extra-models``: for the k-th, prefill-(P + k) (where the first model
+    has prefill workers) and decode-(D + k), on the cores or GPU of prefill-0 and decode-0
+    and outside core lending. They serve their model's name and no adapters, and the gateway
+    finds them in the registry."""
+    specs = []
+    prefill, decode = s.workers()
+    for k, (name, path) in enumerate(s.more_models()):
+        model = s.model_copy(
+            update={"model": path, "served_model_name": name, "lora_modules": "",
+                    "prefill": prefill, "decode": decode}
+        )  # fmt: skip
+        roles = [("prefill", s.prefill + k, placements[0])] if s.prefill else []
+        roles.append(("decode", s.decode + k, placements[s.prefill]))
+        for role, index, placement in roles:
+            alone = replace(placement, lending_table="", borrow_cores="")
+            specs.append(worker_spec(model, role, index, alone, connector, (), tls))
+    return specs
 
 
 def redis_spec(
@@ -302,13 +330,14 @@ def supervisor_options(s: UpSettings, log_dir: Path) -> SupervisorOptions:
 def cluster_ports(s: UpSettings, connector: str = "pdserve") -> list[tuple[str, int]]:
     """(host, port) of every server of the cluster."""
     wanted = [(s.host, s.http_port), (s.host, s.grpc_port)]
-    wanted += [("127.0.0.1", s.prefill_port + i) for i in range(s.prefill)]
-    wanted += [("127.0.0.1", s.decode_port + i) for i in range(s.decode)]
+    prefill, decode = s.workers()  # of every model
+    wanted += [("127.0.0.1", s.prefill_port + i) for i in range(prefill)]
+    wanted += [("127.0.0.1", s.decode_port + i) for i in range(decode)]
     if connector == "nixl":
-        prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, s.prefill, s.decode)
+        prefill_ports, decode_ports = up_gpu.nixl_ports(s.nixl_port, prefill, decode)
         wanted += [("127.0.0.1", port) for port in (*prefill_ports, *decode_ports)]
     else:
-        wanted += [("127.0.0.1", s.kv_port + i) for i in range(s.prefill)]
+        wanted += [("127.0.0.1", s.kv_port + i) for i in range(prefill)]
     return wanted
 
 
@@ -356,9 +385,12 @@ def ready_banner(s: UpSettings, log_dir: Path) -> str:
         "max_tokens=32, temperature=0)"
         ".choices[0].message.content)"
     )
+    prefill, decode = s.workers()
+    models = ", ".join([name, *(more for more, _ in s.more_models())])
     return "\n".join(
         [
-            f"pdserve is up: {s.prefill} prefill + {s.decode} decode worker(s), model {name}"
+            f"pdserve is up: {prefill} prefill + {decode} decode worker(s), "
+            f"model{'s' if s.extra_models else ''} {models}"
             + ("" if s.kv_tier == "off" else f", KV tier {s.kv_tier}"),
             f"  OpenAI API   {base}/v1   (health {base}/health, metrics {base}/metrics)",
             f"  gRPC         {host}:{s.grpc_port}",
@@ -405,7 +437,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log_dir = Path(s.log_dir).resolve()
     print(f"pdserve up: logs in {log_dir}", flush=True)
-    print(up_gpu.choice_line(connector, gpus, s.nixl_port, s.prefill + s.decode), flush=True)
+    print(up_gpu.choice_line(connector, gpus, s.nixl_port, sum(s.workers())), flush=True)
+    missing = [path for _, path in s.more_models() if not Path(path).is_dir()]
+    if missing:
+        print(f"pdserve up: extra model directory {missing[0]} does not exist", file=sys.stderr)
+        return 2
     secret_env = deployment_secret_env(log_dir)
     given = s
     password, acl_file = redis_password(s, log_dir)
@@ -496,7 +532,8 @@ def tls_env(s: UpSettings, log_dir: Path) -> dict[str, dict[str, str]]:
     if not s.internal_tls:
         print("pdserve up: internal traffic in plain text (--no-internal-tls)", flush=True)
         return {}
-    names = [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
+    prefill, decode = s.workers()  # of every model
+    names = [f"prefill-{i}" for i in range(prefill)] + [f"decode-{i}" for i in range(decode)]
     names += ["gateway", PROBE_IDENTITY]
     if rpc_tls.tls_dir():
         given = str(Path(rpc_tls.tls_dir()).resolve())

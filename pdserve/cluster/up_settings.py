@@ -24,6 +24,12 @@ class UpSettings(BaseSettings):
         description="model name clients use, on the gateway and every worker (empty: the "
         "model directory's name)",
     )
+    extra_models: str = Field(
+        "",
+        description="more base models behind the gateway, name=dir[,name=dir...]: each gets "
+        "one prefill worker (none with --prefill 0) and one decode worker of its own, on the "
+        "same cores as the first model's",
+    )
     lora_modules: str = Field(
         "",
         description="LoRA adapters every worker serves, as vLLM's --lora-modules: "
@@ -147,6 +153,26 @@ class UpSettings(BaseSettings):
     restart_reset_s: float = Field(
         60.0, ge=0, description="ready this long: the next restart waits --restart-backoff-s again"
     )
+
+    def more_models(self) -> list[tuple[str, str]]:
+        """(name, directory) of each of ``extra_models``."""
+        models = []
+        for entry in filter(None, (e.strip() for e in self.extra_models.split(","))):
+            name, _, path = entry.partition("=")
+            models.append((name.strip(), path.strip()))
+        return models
+
+    def workers(self) -> tuple[int, int]:
+        """Prefill and decode workers of every model."""
+        more = len(self.more_models())
+        return self.prefill + (more if self.prefill else 0), self.decode + more
+
+    @model_validator(mode="after")
+    def _extra_models_named(self) -> UpSettings:
+        for name, path in self.more_models():
+            if not name or not path:
+                raise ValueError(f"extra_models: {name}={path} is not name=dir")
+        return self
 
     @model_validator(mode="after")
     def _backoff_in_order(self) -> UpSettings:

@@ -29,10 +29,12 @@ MAIN_STACK = {"redis", "model-prepare", "prefill", "decode", "gateway", "gateway
 GATEWAYS = {"gateway": "", "gateway-2": "", "gateway-gpu": "-gpu", "gateway-gpu-2": "-gpu"}
 GPU_STACK = {"model-prepare-gpu", "prefill-gpu", "decode-gpu", "gateway-gpu", "gateway-gpu-2"}
 OBSERVABILITY = {"otel-collector", "jaeger", "prometheus", "grafana"}
+TWO_MODELS = {"model-prepare-second", "prefill-b", "decode-b"}  # a second model's workers
 # Services that cannot have a Docker health check, and why.
 NO_HEALTHCHECK = {
     "model-prepare": "one-shot; dependants wait for service_completed_successfully",
     "model-prepare-gpu": "one-shot; dependants wait for service_completed_successfully",
+    "model-prepare-second": "one-shot; dependants wait for service_completed_successfully",
     "otel-collector": "distroless image: no shell or client to run a check with",
 }
 
@@ -55,7 +57,7 @@ def role(service: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("args", PROFILE_ARGS, ids=["default", "gpu", "observability"])
 def test_compose_file_is_valid(args: tuple[str, ...]) -> None:
-    assert set(services(*args)) == MAIN_STACK | GPU_STACK | OBSERVABILITY
+    assert set(services(*args)) == MAIN_STACK | GPU_STACK | OBSERVABILITY | TWO_MODELS
 
 
 def test_example_env_file_interpolates() -> None:
@@ -68,6 +70,46 @@ def test_profiles() -> None:
     assert all("profiles" not in svc[name] for name in MAIN_STACK), "the CPU stack is the default"
     assert all(svc[name]["profiles"] == ["gpu"] for name in GPU_STACK)
     assert all(svc[name]["profiles"] == ["observability"] for name in OBSERVABILITY)
+    assert all(svc[name]["profiles"] == ["two-models"] for name in TWO_MODELS)
+
+
+def test_the_two_models_profile_serves_a_second_model_beside_the_first(tmp_path: Path) -> None:
+    """docs/api.md, "Several models": prefill-b and decode-b serve the second model (prepared
+    into the model cache by model-prepare-second) as the first model's workers serve theirs,
+    on cores of their own; the gateways serve it with EXTRA_MODELS set."""
+    from decode_service.config import DecodeSettings
+    from gateway.config import GatewaySettings
+
+    second = "second-model=/opt/pdserve/cache/models/second-model"
+    env_file = tmp_path / "two-models.env"
+    env_file.write_text(f"EXTRA_MODELS={second}\n")
+    svc = services("--env-file", str(env_file))
+    prepare = svc["model-prepare-second"]["command"]
+    assert prepare[:3] == ["model", "lora", "--merged"]
+    path = prepare[prepare.index("--dest") + 1]
+    cores = set()
+    for name, first in (("prefill-b", "prefill"), ("decode-b", "decode")):
+        env, p = _env(svc[name]), f"PDSERVE_{role(svc[name]).upper()}_"
+        assert (env[p + "MODEL"], env[p + "SERVED_MODEL_NAME"]) == (path, "second-model")
+        assert env[p + "WORKER_ID"] != _env(svc[first])[p + "WORKER_ID"]
+        differ = {k for k in env if env[k] != _env(svc[first]).get(k)}
+        assert differ == {p + k for k in ("WORKER_ID", "ADVERTISE_HOST", "MODEL",
+                                          "SERVED_MODEL_NAME", "CPU_CORES")}  # fmt: skip
+        assert "model-prepare-second" in svc[name]["depends_on"]
+        cores |= {env[p + "CPU_CORES"], _env(svc[first])[p + "CPU_CORES"]}
+    assert len(cores) == 4, "each engine on a core of its own"
+    decode = DecodeSettings(**{k[len("PDSERVE_DECODE_"):].lower(): v
+                               for k, v in _env(svc["decode-b"]).items()
+                               if k.startswith("PDSERVE_DECODE_")})  # fmt: skip
+    assert decode.served_model_name == "second-model"
+    for gateway in ("gateway", "gateway-2"):
+        env = _env(svc[gateway])
+        settings = GatewaySettings(
+            extra_models=env["PDSERVE_GATEWAY_EXTRA_MODELS"],
+            redis_url=env["PDSERVE_GATEWAY_REDIS_URL"],
+            model="/opt/pdserve/cache/models/first",
+        )
+        assert settings.served_models()[1] == ("second-model", path)
 
 
 def test_images_and_builds_agree() -> None:
@@ -275,6 +317,5 @@ def test_gateways_and_workers_mount_their_tls_identity(tmp_path: Path) -> None:
             (container / Path(target).name).write_bytes((tmp_path / source).read_bytes())
         assert load(container).names == load(written[role(svc)]).names
         checked.add(name)
-    assert checked == {"prefill", "decode", "gateway", "gateway-2"} | GPU_STACK - {
-        "model-prepare-gpu"
-    }
+    workers = {"prefill", "decode", "gateway", "gateway-2", "prefill-b", "decode-b"}
+    assert checked == workers | GPU_STACK - {"model-prepare-gpu"}

@@ -56,6 +56,17 @@ def lora_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="session")
+def merged_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A second base model: the default model with a LoRA adapter (seed 2) merged into its
+    weights (``pdserve model lora --merged``), the default model's tokenizer beside it."""
+    dest = tmp_path_factory.mktemp("merged") / "model"
+    argv = [sys.executable, "-m", "pdserve", "model", "lora", "--merged", "--seed", "2",
+            "--dest", str(dest)]  # fmt: skip
+    subprocess.run(argv, check=True, timeout=STARTUP_TIMEOUT_S, env=RUN_ENV)
+    return str(dest)
+
+
+@pytest.fixture(scope="session")
 def e2e_cases() -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
@@ -286,13 +297,24 @@ def cluster(
 
 
 def run_cluster(
-    log_root: Path, prefill: int, decode: int, args: list[str], env: dict[str, str]
+    log_root: Path,
+    prefill: int,
+    decode: int,
+    args: list[str],
+    env: dict[str, str],
+    extra_models: dict[str, str] | None = None,
 ) -> Iterator[RealCluster]:
     """``pdserve up`` with ``prefill`` + ``decode`` workers (the e2e DTYPE, every request
-    disaggregated) and ``args``, ``env`` added; yields it once ready, then stops it and checks
-    that it stopped cleanly with every port closed."""
+    disaggregated) and ``args``, ``env`` added, and one prefill and one decode worker for
+    each of ``extra_models`` (name -> directory); yields it once ready, then stops it and
+    checks that it stopped cleanly with every port closed."""
+    more = len(extra_models or {})
+    if extra_models:
+        listed = ",".join(f"{name}={path}" for name, path in extra_models.items())
+        args = [*args, "--extra-models", listed]
     for attempt in range(START_ATTEMPTS):
-        found, up, up_log = _start_up(log_root / f"attempt-{attempt}", prefill, decode, args, env)
+        log_dir = log_root / f"attempt-{attempt}"
+        found, up, up_log = _start_up(log_dir, prefill, decode, args, env, more)
         failure = _wait_ready(found, up)
         if failure is None:
             break
@@ -305,7 +327,9 @@ def run_cluster(
     up_log.close()
     ports = found.ports
     all_ports = {"http": ports["http"], "grpc": ports["grpc"]}
-    for kind, count in (("prefill", prefill), ("kv", prefill), ("decode", decode)):
+    counts = {"prefill": found.prefill_workers, "decode": found.decode_workers}
+    for kind, count in (("prefill", counts["prefill"]), ("kv", counts["prefill"]),
+                        ("decode", counts["decode"])):  # fmt: skip
         all_ports |= {f"{kind}-{i}": ports[kind] + i for i in range(count)}
     leftover = [name for name, port in all_ports.items() if _port_open(port)]
     assert code == 0, f"pdserve up exited {code}"
@@ -313,13 +337,21 @@ def run_cluster(
 
 
 def _start_up(
-    log_dir: Path, prefill: int, decode: int, args: list[str], extra_env: dict[str, str]
+    log_dir: Path,
+    prefill: int,
+    decode: int,
+    args: list[str],
+    extra_env: dict[str, str],
+    more: int = 0,
 ) -> tuple[RealCluster, subprocess.Popen[bytes], Any]:
+    """``prefill`` and ``decode``: the first model's workers; ``more``: models beyond it
+    (``--extra-models``), one prefill and one decode worker each, on the ports after them."""
     taken: set[int] = set()  # each port once: a server given another's port cannot bind it
     ports = {name: free_port_run(1, taken) for name in ("http", "grpc")}
-    ports["prefill"] = free_port_run(prefill, taken)
-    ports["decode"] = free_port_run(decode, taken)
-    ports["kv"] = free_port_run(prefill, taken)
+    prefill_all = prefill + (more if prefill else 0)
+    ports["prefill"] = free_port_run(prefill_all, taken)
+    ports["decode"] = free_port_run(decode + more, taken)
+    ports["kv"] = free_port_run(prefill_all, taken)
     log_dir.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "pdserve", "up", "--prefill", str(prefill),
@@ -343,7 +375,7 @@ def _start_up(
     }
     up_log = open(log_dir / "pdserve-up.out", "w")  # noqa: SIM115 (closed at teardown)
     up = subprocess.Popen(cmd, stdout=up_log, stderr=subprocess.STDOUT, env=env)
-    found = RealCluster(ports["http"], ports["grpc"], log_dir, ports, prefill, decode)
+    found = RealCluster(ports["http"], ports["grpc"], log_dir, ports, prefill_all, decode + more)
     return found, up, up_log
 
 

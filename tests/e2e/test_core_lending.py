@@ -6,6 +6,12 @@ Requests sent together make the decode engine step both while the prefill engine
 prompts (its own core only) and after (the lent cores too); every output must still be
 token-identical to one monolithic engine, and the lending must show on ``/metrics``. The
 decode engine's KV cache is kept small (40 blocks), so that one test can fill it.
+
+The same cluster serves a second base model behind its gateway (``--extra-models``: the default
+model with an adapter merged in, ``pdserve model lora --merged``), on a prefill and a decode
+worker of its own outside the lending (a 2-core machine has time for one more cluster start,
+not two): its requests go to its own workers only, disaggregated, and its answers are its
+engine's own, token for token.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pdserve.worker.vllm_plugin import for_each_thread
 from tests.e2e.cases import DTYPE, FILL_PROMPT_TOKENS, fill_cases
 from tests.e2e.conftest import RealCluster, pid_on_port, run_cluster
 from tests.e2e.test_disaggregated import check_transfer, generate
-from tests.helpers import counted, metrics_text
+from tests.helpers import counted, metrics_text, served_name
 
 pytestmark = pytest.mark.own_cluster
 
@@ -38,9 +44,12 @@ FALLBACKS = "pdserve_gateway_local_fallbacks_total"
 RECLAIMED = "pdserve_gateway_worker_cpu_lend_reclaims_total"
 
 
+SECOND = "merged-colors"  # the second model's served name
+
+
 @pytest.fixture(scope="module")
 def lending_cluster(
-    reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+    reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory, merged_model: str
 ) -> Iterator[RealCluster]:
     # A decode KV cache of 40 blocks (5,120 tokens): small enough for fill_cases to fill it.
     small_cache = [
@@ -48,7 +57,8 @@ def lending_cluster(
         f"--decode-engine-args=--dtype {DTYPE} --max-model-len {MAX_MODEL_LEN} "
         f"--num-gpu-blocks-override {DECODE_BLOCKS}",
     ]
-    yield from run_cluster(tmp_path_factory.mktemp("lending-logs"), 1, 1, small_cache, {})
+    logs = tmp_path_factory.mktemp("lending-logs")
+    yield from run_cluster(logs, 1, 1, small_cache, {}, extra_models={SECOND: merged_model})
 
 
 async def test_steps_on_lent_cores_stay_token_identical(
@@ -181,3 +191,87 @@ def _engine_cores(worker: psutil.Process) -> set[int]:
     """The cores the worker gave its engine (``--cpu-cores``, from pdserve up)."""
     argv = worker.cmdline()
     return set(parse_cores(argv[argv.index("--cpu-cores") + 1]))
+
+
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+def _ask(cluster: RealCluster, model: str, messages: Any) -> tuple[str, Any, Any]:
+    """The greedy chat answer, its usage and the (prefill, decode) workers that served it."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )
+    reply: Any = raw.parse()
+    workers = (raw.headers["x-pdserve-prefill-worker"], raw.headers["x-pdserve-decode-worker"])
+    return reply.choices[0].message.content, reply.usage, workers
+
+
+async def _generate(cluster: RealCluster, model: str, **params: Any) -> tuple[list[int], Any]:
+    """The greedy tokens of a fixed prompt over gRPC and the (prefill, decode) workers."""
+    import grpc
+
+    from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(max_tokens=16, temperature=0.0, **params)
+    request = generate_pb2.GenerateRequest(
+        model=model, text="Three primary colors are", params=sampling
+    )
+    tokens: list[int] = []
+    async with grpc.aio.insecure_channel(cluster.grpc_target) as channel:
+        async for message in generate_pb2_grpc.GenerationStub(channel).Generate(request):
+            tokens.extend(message.token_ids)
+            last = message
+    return tokens, (last.prefill_worker, last.decode_worker)
+
+
+async def test_a_second_model_is_served_by_its_own_workers_as_its_engine_answers(
+    lending_cluster: RealCluster, merged_model: str
+) -> None:
+    import httpx
+
+    cluster = lending_cluster
+    listed = httpx.get(cluster.base_url + "/v1/models", timeout=30).json()["data"]
+    assert [(m["id"], m["root"], m["parent"]) for m in listed][1:] == [(SECOND, merged_model, None)]
+    assert listed[0]["id"] == served_name()
+    second, workers = await _generate(cluster, SECOND)
+    base, base_workers = await _generate(cluster, served_name())
+    # prompt_logprobs: the decode worker computes the prompt itself (the local path)
+    alone, alone_workers = await _generate(cluster, SECOND, prompt_logprobs=0)
+    ports = cluster.ports
+    prefill, decode = (f"127.0.0.1:{ports[role] + 1}" for role in ("prefill", "decode"))
+    assert workers == (prefill, decode), "the second model's own workers, KV moved"
+    assert base_workers == tuple(f"127.0.0.1:{ports[role]}" for role in ("prefill", "decode"))
+    assert alone_workers == ("local", decode)
+    assert second and second == alone, "disaggregated, as its engine computing alone"
+    assert second != base, "the second model has answers of its own"
+    chat, usage, chat_workers = _ask(cluster, SECOND, QUESTION)
+    assert chat and usage.completion_tokens > 0 and chat_workers == ("prefill-1", "decode-1")
+    unknown = httpx.post(
+        cluster.base_url + "/v1/chat/completions",
+        json={"model": "no-such-model", "messages": QUESTION, "max_tokens": 4},
+        timeout=30,
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+def test_a_second_models_prefix_stays_with_its_own_workers(lending_cluster: RealCluster) -> None:
+    """The same long prompt, twice for the second model, then for the first: the second
+    model's second turn finds its own blocks; the first model's turn finds none of them (its
+    engines never computed the prompt, and the shared prefix index names only the other
+    model's workers)."""
+    from tests.e2e.test_routing import BLOCK, system_prompt
+
+    long = [{"role": "system", "content": system_prompt(2) * 3}, *QUESTION]
+    _, first, _ = _ask(lending_cluster, SECOND, long)
+    _, again, workers = _ask(lending_cluster, SECOND, long)
+    _, other, other_workers = _ask(lending_cluster, served_name(), long)
+    full = (first.prompt_tokens - 1) // BLOCK * BLOCK
+    assert full >= 4 * BLOCK, first.prompt_tokens
+    assert first.prompt_tokens_details.cached_tokens == 0, first
+    assert again.prompt_tokens_details.cached_tokens >= full, again
+    assert workers == ("prefill-1", "decode-1")
+    assert other.prompt_tokens_details.cached_tokens == 0, other
+    assert other_workers == ("prefill-0", "decode-0")

@@ -20,6 +20,7 @@ from pdserve.cluster.up import (
     UpSettings,
     add_arguments,
     build_specs,
+    cluster_ports,
     engine_placements,
     lending_table,
     ready_banner,
@@ -374,6 +375,39 @@ def test_lora_modules_reach_every_worker() -> None:
         for spec in specs if "--lora-modules" in spec.argv
     }  # fmt: skip
     assert given == {"prefill-0": "a=/x/a,b=/x/b", "decode-0": "a=/x/a,b=/x/b"}
+
+
+def test_extra_models_get_a_prefill_and_a_decode_worker_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    expected: list[dict[str, int] | None] = []
+    monkeypatch.setattr(
+        "pdserve.cluster.up.http_ok", lambda url, expect=None: expected.append(expect)
+    )
+    s = parse("--extra-models", "b=/m/b,c=/m/c", "--lora-modules", "a=/x/a")
+    specs, _ = build_specs(s, gpus=[], cores=[0, 1])
+    by_name = {spec.name: spec.argv for spec in specs}
+    assert list(by_name) == [
+        "prefill-0", "decode-0", "prefill-1", "decode-1", "prefill-2", "decode-2", "gateway",
+    ]  # fmt: skip
+    assert by_name["prefill-2"][3:] == (
+        "prefill", "--worker-id", "prefill-2", "--port", "50102", "--kv-port", "15102",
+        "--model", "/m/c", "--served-model-name", "c", "--cpu-cores", "0",
+    )  # fmt: skip
+    assert by_name["decode-1"][3:] == (
+        "decode", "--worker-id", "decode-1", "--port", "50201",
+        "--model", "/m/b", "--served-model-name", "b", "--cpu-cores", "1",
+    )  # fmt: skip
+    gateway = by_name["gateway"]
+    assert gateway[gateway.index("--extra-models") + 1] == "b=/m/b,c=/m/c"
+    assert "--prefill-workers=127.0.0.1:50100" in gateway, "the others are discovered"
+    assert expected == [{"healthy_prefill_workers": 3, "healthy_decode_workers": 3}]
+    assert {50102, 15102, 50202} <= {port for _, port in cluster_ports(s)}
+    assert "3 prefill + 3 decode worker(s), models SmolLM2-135M-Instruct, b, c" in ready_banner(
+        s, Path("logs")
+    )
+    with pytest.raises(ValueError, match="not name=dir"):
+        parse("--extra-models", "b")
 
 
 def test_ready_banner_has_a_runnable_curl_line() -> None:
