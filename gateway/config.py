@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode
 
 from gateway.slo import Slo
-from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config
+from pdserve.settings import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, base_config, named_paths
 
 WorkerList = Annotated[list[str], NoDecode]
 
@@ -291,10 +291,7 @@ class GatewaySettings(BaseSettings):
     @field_validator("extra_models")
     @classmethod
     def _name_dir(cls, value: list[str]) -> list[str]:
-        for entry in value:
-            name, _, path = entry.partition("=")
-            if not name.strip() or not path.strip():
-                raise ValueError(f"extra model {entry!r} is not name=dir")
+        named_paths(value, "extra_models", "dir")
         return value
 
     @model_validator(mode="after")
@@ -311,9 +308,7 @@ class GatewaySettings(BaseSettings):
         twice is an error."""
         primary = self.model_dir()
         models = [(self.model_name(primary), primary)]
-        for entry in self.extra_models:
-            name, _, path = entry.partition("=")
-            models.append((name.strip(), path.strip()))
+        models += named_paths(self.extra_models, "extra_models", "dir")
         names = [name for name, _ in models]
         for name in names:
             if names.count(name) > 1:

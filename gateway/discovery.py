@@ -80,21 +80,15 @@ class RegistryDiscovery:
             self._keep_until = time.monotonic() + REGISTRY_RESET_GRACE_S
         self._epoch = epoch
         keep = time.monotonic() < self._keep_until
-        by_model: dict[str, list[WorkerRecord]] = {}
-        models = {pool.model_name for pool in self.pools}
-        for record in records:
-            by_model.setdefault(record.model if record.model in models else "", []).append(record)
         if len(self.pools) == 1:
             await self.pool.reconcile(records, keep_missing=keep)
             return
+        of_model = {pool.model_name: pool for pool in self.pools}
+        shares: dict[WorkerPool, list[WorkerRecord]] = {pool: [] for pool in self.pools}
+        for record in records:
+            shares[of_model.get(record.model, self.pool)].append(record)
         await asyncio.gather(
-            *(
-                pool.reconcile(
-                    by_model.get(pool.model_name, []) + (by_model.get("", []) if i == 0 else []),
-                    keep_missing=keep,
-                )
-                for i, pool in enumerate(self.pools)
-            )
+            *(pool.reconcile(share, keep_missing=keep) for pool, share in shares.items())
         )
 
     async def _loop(self) -> None:

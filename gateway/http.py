@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from importlib import metadata
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -186,17 +187,13 @@ def _document_vllm_bodies(app: FastAPI) -> None:
 
 
 class PerModel(Generic[T]):
-    """One ``T`` per model's service, built once on first use (``BuiltOnce``)."""
+    """One ``T`` per model's service, each built on first use (``BuiltOnce``)."""
 
-    def __init__(self, build: Callable[[GenerationService], T]) -> None:
-        self._build = build
-        self._built: dict[int, BuiltOnce[T]] = {}
+    def __init__(self, served: ServedModels, build: Callable[[GenerationService], T]) -> None:
+        self._built = {id(service): BuiltOnce(partial(build, service)) for service in served}
 
     async def get(self, service: GenerationService) -> T:
-        built = self._built.get(id(service))
-        if built is None:
-            built = self._built[id(service)] = BuiltOnce(lambda: self._build(service))
-        return await built.get()
+        return await self._built[id(service)].get()
 
 
 def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
@@ -227,7 +224,7 @@ def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
         body = await _json_body(request)
         return await _serve_chat(served.for_body(body), request, body, "chat_completions")
 
-    anthropic = PerModel(lambda service: AnthropicApi(service.tokenizer.chat_template))
+    anthropic = PerModel(served, lambda s: AnthropicApi(s.tokenizer.chat_template))
 
     @api.post("/v1/messages", response_model=None)
     async def messages(request: Request) -> Response:
@@ -273,7 +270,7 @@ def _add_lora_routes(api: APIRouter, served: ServedModels) -> None:
 def _add_responses_routes(api: APIRouter, served: ServedModels) -> None:
     """OpenAI's Responses API, stateless: rendered by vLLM's renderer, answered by vLLM's
     Responses serving (``gateway.responses_api``)."""
-    built = PerModel(lambda s: ResponsesApi(s.renderer.blocking_get(), s.tokenizer))
+    built = PerModel(served, lambda s: ResponsesApi(s.renderer.blocking_get(), s.tokenizer))
 
     @api.post("/v1/responses", response_model=None, openapi_extra=_body("ResponsesRequest"))
     async def responses(request: Request) -> Response:

@@ -119,3 +119,19 @@ def _split_list(value: str) -> list[str]:
     if value.startswith("["):
         return [str(v) for v in json.loads(value)]
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def named_paths(
+    entries: str | list[str], what: str, path_word: str = "path"
+) -> list[tuple[str, str]]:
+    """``name=path[,name=path...]`` (a string, or its entries as a list) as (name, path)
+    pairs, blanks skipped; an entry without a name or a path is a ValueError naming ``what``
+    (the setting) and ``path_word`` (what the path is)."""
+    items = entries.split(",") if isinstance(entries, str) else entries
+    pairs = []
+    for item in filter(None, (part.strip() for part in items)):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"{what}: {item!r} is not name={path_word}")
+        pairs.append((name.strip(), path.strip()))
+    return pairs

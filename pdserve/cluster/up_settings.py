@@ -156,11 +156,7 @@ class UpSettings(BaseSettings):
 
     def more_models(self) -> list[tuple[str, str]]:
         """(name, directory) of each of ``extra_models``."""
-        models = []
-        for entry in filter(None, (e.strip() for e in self.extra_models.split(","))):
-            name, _, path = entry.partition("=")
-            models.append((name.strip(), path.strip()))
-        return models
+        return shared.named_paths(self.extra_models, "extra_models", "dir")
 
     def workers(self) -> tuple[int, int]:
         """Prefill and decode workers of every model."""
@@ -169,9 +165,7 @@ class UpSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _extra_models_named(self) -> UpSettings:
-        for name, path in self.more_models():
-            if not name or not path:
-                raise ValueError(f"extra_models: {name}={path} is not name=dir")
+        self.more_models()  # each entry is name=dir
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.settings import named_paths
 from pdserve.worker.errors import InvalidRequest
 
 # vLLM's accepted --max-lora-rank values (vllm/config/lora.py).
@@ -53,10 +54,7 @@ def adapter_rank(path: str) -> int:
 def parse_modules(text: str) -> list[Adapter]:
     """``name=path[,name=path...]`` as adapters; each path must be a PEFT adapter directory."""
     adapters: list[Adapter] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"lora_modules: {item!r} is not name=path")
+    for name, path in named_paths(text, "lora_modules"):
         if any(a.name == name for a in adapters):
             raise ValueError(f"lora_modules: the name {name!r} is given twice")
         try:
