@@ -41,7 +41,9 @@ DOCKERFILES = {
 }
 # "a+b": an overlay of a with component b, as a user's own overlay adds one (see kustomize).
 KV_TIER_OVERLAYS = ["overlays/cpu+components/kv-tier", "overlays/gpu+components/kv-tier"]
-OVERLAYS = ["overlays/cpu", "overlays/gpu", *KV_TIER_OVERLAYS]
+# A second base model beside the first (docs/deploy.md, "Kubernetes: two models").
+TWO_MODELS = "overlays/two-models"
+OVERLAYS = ["overlays/cpu", "overlays/gpu", *KV_TIER_OVERLAYS, TWO_MODELS]
 KUSTOMIZATIONS = ["base", *OVERLAYS]
 VERSION = pdserve.__version__
 IMAGES = {"cpu": f"pdserve-cpu:{VERSION}", "gpu": f"pdserve-gpu:{VERSION}"}

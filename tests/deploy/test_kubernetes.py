@@ -18,6 +18,7 @@ from tests.deploy.support import (
     KUSTOMIZATIONS,
     OVERLAYS,
     SHM_HEADROOM_GIB,
+    TWO_MODELS,
     VERSION,
     component,
     container_env,
@@ -91,10 +92,11 @@ def test_every_container_has_probes_resources_and_runs_as_non_root(path: str) ->
             problems.append(f"{name}: enableServiceLinks is not false")
         if pod.get("automountServiceAccountToken") is not False:
             problems.append(f"{name}: mounts a service account token it does not use")
+        init = [c["name"] for c in pod.get("initContainers", [])]
         for c in pod["containers"] + pod.get("initContainers", []):
             where = f"{name}/{c['name']}"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if probe not in c:
+                if probe not in c and c["name"] not in init:  # init containers take none
                     problems.append(f"{where}: no {probe}")
             for kind in ("requests", "limits"):
                 for resource in ("cpu", "memory"):
@@ -383,3 +385,71 @@ def test_the_documented_tls_secrets_hold_what_the_pods_read(tmp_path: Path) -> N
     for key, value in secret["data"].items():
         (mounted / key).write_bytes(base64.b64decode(value))
     assert load(mounted).names == (SERVER_NAME, "prefill")
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_no_two_controllers_or_budgets_select_the_same_pods(path: str) -> None:
+    """Each pod is its own Deployment's or StatefulSet's alone, and under at most one
+    PodDisruptionBudget (the eviction API refuses a pod under two, which blocks a drain)."""
+    docs = kustomize(path)
+    pods = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"]
+            for w in workloads(docs)}  # fmt: skip
+    budgets = objects(docs, "PodDisruptionBudget").values()
+    for name, labels in pods.items():
+        owners = [w["metadata"]["name"] for w in workloads(docs)
+                  if labels_match(w["spec"]["selector"], labels)]  # fmt: skip
+        assert owners == [name], f"{name}'s pods are selected by {owners}"
+        under = [b["metadata"]["name"] for b in budgets
+                 if labels_match(b["spec"]["selector"], labels)]  # fmt: skip
+        assert len(under) <= 1, f"{name}'s pods are under {under}"
+
+
+def test_the_two_models_overlay_serves_a_second_model_beside_the_first() -> None:
+    """docs/deploy.md, "Kubernetes: two models": the gateways serve each model that
+    PDSERVE_GATEWAY_EXTRA_MODELS names from a directory their pods hold, and a prefill and a
+    decode Deployment serve it from the same directory under that name; the first model's
+    workers serve the default model as in the cpu overlay."""
+    from gateway.config import GatewaySettings
+    from pdserve.settings import DEFAULT_MODEL_NAME
+
+    docs = kustomize(TWO_MODELS)
+    deployments = objects(docs, "Deployment")
+
+    def mounted(deployment: dict[str, Any], directory: str) -> bool:
+        """``directory`` is on a volume of the pod that an init container writes."""
+        pod = pod_spec(deployment)
+        (c,) = pod["containers"]
+        volumes = {m["name"] for m in c.get("volumeMounts", []) if directory.startswith(
+            m["mountPath"].rstrip("/") + "/")}  # fmt: skip
+        writers = [i for i in pod.get("initContainers", [])
+                   if volumes & {m["name"] for m in i.get("volumeMounts", [])}]  # fmt: skip
+        return bool(writers) and any(directory in i["args"] for i in writers)
+
+    (gateway,) = pod_spec(deployments["pdserve-gateway"])["containers"]
+    env = container_env(docs, gateway)
+    settings = GatewaySettings(extra_models=env["PDSERVE_GATEWAY_EXTRA_MODELS"],
+                               redis_url="redis://redis:6379/0")  # fmt: skip
+    first, *extra = settings.served_models()
+    assert extra, "the gateways serve a second model"
+    served: dict[str, list[str]] = {}
+    for name, deployment in deployments.items():
+        role = component(deployment)
+        if role not in WORKER_PORTS:
+            continue
+        (c,) = pod_spec(deployment)["containers"]
+        env = container_env(docs, c)  # less the downward API's fieldRefs
+        worker = worker_settings(role, {k: v for k, v in env.items() if isinstance(v, str)})
+        model = worker.served_model_name or (
+            Path(worker.model).name if worker.model else DEFAULT_MODEL_NAME)  # fmt: skip
+        served.setdefault(model, []).append(role)
+        label = deployment["spec"]["template"]["metadata"]["labels"]["pdserve/model"]
+        assert label == model, f"{name} serves {model} but is labelled {label}"
+        for model_name, directory in extra:
+            if model == model_name:
+                assert worker.model == directory, name
+                assert mounted(deployment, directory), f"{name} has no {directory}"
+    for model_name, directory in extra:
+        assert sorted(served.get(model_name, [])) == ["decode", "prefill"], model_name
+        assert mounted(deployments["pdserve-gateway"], directory), directory
+    assert sorted(served[first[0]]) == ["decode", "prefill"], "the first model keeps its workers"
+    assert len(served) == 1 + len(extra)
