@@ -171,6 +171,7 @@ class DecodeService(WorkerService):
                     raise InvalidRequest("the KV hand-off was released: its request was cancelled")
             salt = cache_salt(params)
             adapter = self.adapters.get(params.lora_name)
+            lora = await self.lora_request(params.lora_name)
             tag = adapter.tier_tag if adapter else None
             tier = self.settings.kv_tier != "off"
             transfer = salted_transfer_params(handoff, salt, tier, tag)
@@ -200,7 +201,7 @@ class DecodeService(WorkerService):
                 sampling,
                 request_id,
                 trace_headers=trace,
-                lora_request=self.adapters.request(params.lora_name),
+                lora_request=lora,
             ):
                 if keeper is not None:  # the blocks are in (the first output comes after)
                     keeper.cancel()

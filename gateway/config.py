@@ -206,6 +206,12 @@ class GatewaySettings(BaseSettings):
     kv_usage_weight: float = Field(
         default=0.5, ge=0, description="routing score weight of a worker's KV cache usage (0..1)"
     )
+    lora_residency_weight: float = Field(
+        default=0.5,
+        ge=0,
+        description="routing score weight of a LoRA request's adapter being resident in a "
+        "worker's engine (its LoRA cache, --max-cpu-loras): elsewhere it is loaded first",
+    )
     tier_hit_weight: float = Field(
         default=0.8,
         ge=0,

@@ -59,6 +59,8 @@ class Worker(Generic[C]):
     in_flight: int = 0  # this gateway's requests on the worker now
     peer_in_flight: int = 0  # the other gateways' requests on it (gateway.shared_load)
     reported_load: dict[str, float] = field(default_factory=dict)  # the worker's own report
+    # The LoRA adapters resident in its engine, as its heartbeat last said (None: no heartbeat)
+    reported_loras: frozenset[str] | None = None
     # Prompts it computes: queue and rate (prefill workers; decode workers on the local path)
     pace: PrefillPace = field(default_factory=PrefillPace)
     steps: DecodePace = field(default_factory=DecodePace)  # decode workers: steps, hand-offs
@@ -92,6 +94,13 @@ class Worker(Generic[C]):
         if "kv_usage" in self.reported_load:
             return self.reported_load["kv_usage"]
         return float(self.capabilities.load.kv_usage) if self.capabilities else 0.0
+
+    def holds_lora(self, name: str) -> bool:
+        """Whether the adapter ``name`` is resident in the worker's engine, as it last said
+        (heartbeat, else capabilities): a request for it runs without loading it first."""
+        if self.reported_loras is not None:
+            return name in self.reported_loras
+        return self.capabilities is not None and name in self.capabilities.resident_lora_adapters
 
     def adapter_path(self, name: str) -> str | None:
         """The path of the LoRA adapter ``name`` on this worker; None: it does not serve it."""
@@ -322,6 +331,7 @@ class WorkerPool:
                 worker = self._add(record)
                 added.append(worker)
             worker.reported_load = dict(record.load)
+            worker.reported_loras = frozenset(record.loras)
         for key, worker in known.items():
             if worker.discovered and key not in alive and not (keep_missing and worker.healthy):
                 self._drop(worker)

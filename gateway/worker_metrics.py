@@ -73,6 +73,9 @@ COUNTERS: Sequence[tuple[str, str, str]] = (
      "its engine waited for a decode engine's step on its cores to end."),
     ("cpu_lend_reclaims", "cpu_lend_reclaims", "Prefill workers on the CPU: times the worker "
      "took its cores back from a decode engine that was gone or too slow."),
+    ("lora_requests", "lora_requests", "Requests the worker ran with a LoRA adapter."),
+    ("lora_loads", "lora_loads", "Those of them whose adapter the worker's engine had to load "
+     "first (not resident in its LoRA cache); / lora_requests: the share that needed a load."),
 )  # fmt: skip
 
 

@@ -125,6 +125,7 @@ class PrefillService(WorkerService):
         )
         final = None
         prompt = engine_prompt(list(token_ids), salt)
+        lora = await self.lora_request(lora_name)
         with self.counted():
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
             trace = self.trace_headers()
@@ -133,7 +134,7 @@ class PrefillService(WorkerService):
                 params,
                 request_id,
                 trace_headers=trace,
-                lora_request=self.adapters.request(lora_name),
+                lora_request=lora,
             ):
                 final = output
         if final is None or not final.kv_transfer_params:

@@ -120,22 +120,26 @@ class PrefixPicker:
         cached = known.cached if known else {}
         feedback = known.feedback if known else None
         n = len(request.token_ids)
-        chosen = self._best(decode, cached, n)
+        lora = request.lora[0] if request.lora else None
+        chosen = self._best(decode, cached, n, lora)
         d_cached = cached.get(chosen, Cached()).tokens
         fits = [p for p in prefill if compatible(p, chosen)]
         # Without the index there is no prediction (None), rather than a guess of 0 tokens.
         if not fits or n - d_cached <= self.settings.disagg_min_uncached_tokens:
             predicted = None if known is None else d_cached
             return Route(None, chosen, predicted_cached_tokens=predicted, feedback=feedback)
-        p = self._best(fits, cached, n)
+        p = self._best(fits, cached, n, lora)
         predicted = None if known is None else cached.get(p, Cached()).tokens
         d_predicted = None if known is None else d_cached
         return Route(p, chosen, predicted, feedback, decode_cached_tokens=d_predicted)
 
-    def _best(self, workers: Sequence[W], cached: dict[Worker[Any], Cached], n: int) -> W:
+    def _best(
+        self, workers: Sequence[W], cached: dict[Worker[Any], Cached], n: int, lora: str | None
+    ) -> W:
         """The best-scoring worker; ties go to the first from this role's turn on. The turn
         moves on only after a tie, so new prompts go round robin however many later turns
-        stick to their holders between them."""
+        stick to their holders between them. ``lora``: the request's adapter, which scores
+        where it is resident."""
         s = self.settings
         loads = [w.load() for w in workers]
         scale = 1.0 + max(loads)
@@ -150,6 +154,8 @@ class PrefixPicker:
             w = workers[i]
             score = (prefix_weight * shares.get(w, 0.0) - load_weight * loads[i] / scale
                      - kv_weight * w.kv_usage())  # fmt: skip
+            if lora is not None and w.holds_lora(lora):
+                score += s.lora_residency_weight
             if score > best_score:
                 best, best_score, tied = w, score, 1
             elif score == best_score:

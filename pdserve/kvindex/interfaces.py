@@ -85,6 +85,8 @@ class WorkerRecord:
     max_model_len: int = 0
     kv_compat: dict[str, str] = field(default_factory=dict)
     load: dict[str, float] = field(default_factory=dict)  # running, waiting, kv_usage, ...
+    # LoRA adapters resident in its engine's LoRA cache now (a request for another loads it)
+    loras: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -95,6 +95,18 @@ class Adapters:
     def __init__(self, adapters: Sequence[Adapter]) -> None:
         self.by_name = {a.name: a for a in adapters}
         self._next_id = len(adapters) + 1
+        # Those resident in the engine's LoRA cache when last asked (``refresh``).
+        self.resident: frozenset[str] = frozenset()
+
+    async def refresh(self, engine: Any) -> frozenset[str]:
+        """The adapters resident in ``engine``'s LoRA cache now (vLLM's ``list_loras``: its
+        cache holds ``--max-cpu-loras`` of them and evicts the least recently used one to
+        load another), kept in ``resident``."""
+        if getattr(engine.vllm_config, "lora_config", None) is None:
+            return self.resident
+        ids = await engine.list_loras()
+        self.resident = frozenset(a.name for a in self.by_name.values() if a.int_id in ids)
+        return self.resident
 
     async def load(self, engine: Any, name: str, path: str, inplace: bool = False) -> None:
         """Load ``path`` as ``name`` into ``engine`` (vLLM's ``add_lora``, as vllm serve's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ class Load:
     cpu_lent_steps: int = 0
     cpu_lend_wait_seconds: float = 0.0
     cpu_lend_reclaims: int = 0
+    # LoRA requests, and those whose adapter the engine had to load first (WorkerService).
+    lora_requests: int = 0
+    lora_loads: int = 0
 
     def take_lending(self, totals: Any) -> None:
         """Take the lending table's counters of this worker's cores (a ``Record``)."""
@@ -106,12 +110,20 @@ class IndexLink:
         self.tasks: list[asyncio.Task[None]] = []
         self.record: WorkerRecord | None = None
         self.sink: EventSink | None = None
+        self.loras: Callable[[], Awaitable[list[str]]] | None = None
 
     def kv_events_config(self) -> dict[str, Any]:
         return events_config(self.endpoints)
 
-    async def start(self, info: EngineInfo, grpc_port: int) -> None:
+    async def start(
+        self,
+        info: EngineInfo,
+        grpc_port: int,
+        loras: Callable[[], Awaitable[list[str]]] | None = None,
+    ) -> None:
+        """``loras``: the LoRA adapters resident in the engine now, for every heartbeat."""
         s = self.settings
+        self.loras = loras
         # Later than the previous life of this name even if its machine's clock was ahead:
         # the index's fence orders lives by epoch (pdserve.kvindex.epochs).
         with contextlib.suppress(IndexUnavailable):
@@ -142,6 +154,11 @@ class IndexLink:
         warned = False
         while True:
             self.record.load = {k: float(v) for k, v in asdict(self.load).items()}
+            if self.loras is not None:
+                try:
+                    self.record.loras = await self.loras()
+                except Exception as exc:  # a stopping engine: the record keeps the last list
+                    log.debug("cannot list the engine's LoRA adapters: %s", exc)
             try:
                 await self.store.announce(self.record, HEARTBEAT_S * TTL_HEARTBEATS)
                 warned = False

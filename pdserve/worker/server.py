@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -139,23 +140,8 @@ class ServicerBase:
                 worker_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank)
                 for a in service.adapters.by_name.values()
             ],
-            load=worker_pb2.WorkerLoad(
-                running=service.load.running,
-                waiting=service.load.waiting,
-                kv_usage=service.load.kv_usage,
-                in_flight=service.load.in_flight,
-                pinned_blocks=service.load.pinned_blocks,
-                leases=service.load.leases,
-                engine_steps=service.load.engine_steps,
-                kv_transfers=service.load.kv_transfers,
-                kv_bytes=service.load.kv_bytes,
-                kv_transfer_seconds=service.load.kv_transfer_seconds,
-                kv_transfer_failures=service.load.kv_transfer_failures,
-                kv_leases_expired=service.load.kv_leases_expired,
-                cpu_lent_steps=service.load.cpu_lent_steps,
-                cpu_lend_wait_seconds=service.load.cpu_lend_wait_seconds,
-                cpu_lend_reclaims=service.load.cpu_lend_reclaims,
-            ),
+            resident_lora_adapters=sorted(service.adapters.resident),
+            load=worker_pb2.WorkerLoad(**asdict(service.load)),
             index_keys=worker_pb2.PrefixIndexKeys(
                 hash_seed=service.settings.hash_seed,
                 redis_prefix=service.settings.redis_prefix,
@@ -221,7 +207,7 @@ async def serve(
     servicer.service = make_service(engine, settings, describe(engine))
     servicer.service.load = load
     if link is not None:
-        await link.start(servicer.service.info, server.port)
+        await link.start(servicer.service.info, server.port, servicer.service.resident_loras)
     # The engine's front end (vLLM, torch, the tokenizer: some 630k objects) stays for good;
     # a full collection walking them all stalls every stream of this worker (0.3-0.45 s here).
     log.info("garbage collector: %d start-up objects frozen", freeze_startup_objects())

@@ -39,6 +39,21 @@ class WorkerService:
         finally:
             self.load.in_flight -= 1
 
+    async def lora_request(self, name: str) -> Any:
+        """vLLM's ``LoRARequest`` for the adapter ``name`` (None: the base model), counted in
+        ``load``: ``lora_requests``, and ``lora_loads`` when the engine's LoRA cache does not
+        hold the adapter, so that running the request loads it first."""
+        request = self.adapters.request(name)
+        if request is not None:
+            resident = await self.adapters.refresh(self.engine)
+            self.load.lora_requests += 1
+            self.load.lora_loads += name not in resident
+        return request
+
+    async def resident_loras(self) -> list[str]:
+        """The adapters resident in the engine's LoRA cache now, by name."""
+        return sorted(await self.adapters.refresh(self.engine))
+
     def trace_headers(self) -> dict[str, str] | None:
         """The current trace context for vLLM's ``trace_headers``, so that its request spans
         join the caller's trace; None unless both pdserve's and vLLM's tracing are on (vLLM

@@ -118,7 +118,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys", "kv_tier", "kv_tier_chunk_tokens", "lora_adapters")
+    __slots__ = ("worker_id", "role", "model", "served_model_name", "block_size", "max_model_len", "kv_capacity_tokens", "num_kv_blocks", "dtype", "kv_connector", "kv_compat", "version", "load", "index_keys", "kv_tier", "kv_tier_chunk_tokens", "lora_adapters", "resident_lora_adapters")
     class KvCompatEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class Capabilities(_message.Message):
     KV_TIER_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     model: str
@@ -160,7 +161,8 @@ class Capabilities(_message.Message):
     kv_tier: str
     kv_tier_chunk_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ..., kv_tier: _Optional[str] = ..., kv_tier_chunk_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    resident_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_connector: _Optional[str] = ..., kv_compat: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., index_keys: _Optional[_Union[PrefixIndexKeys, _Mapping]] = ..., kv_tier: _Optional[str] = ..., kv_tier_chunk_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoraAdapterRequest(_message.Message):
     __slots__ = ("name", "path", "load_inplace")
@@ -195,7 +197,7 @@ class PrefixIndexKeys(_message.Message):
     def __init__(self, hash_seed: _Optional[int] = ..., redis_prefix: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps", "kv_transfers", "kv_bytes", "kv_transfer_seconds", "kv_transfer_failures", "kv_leases_expired", "cpu_lent_steps", "cpu_lend_wait_seconds", "cpu_lend_reclaims")
+    __slots__ = ("running", "waiting", "kv_usage", "in_flight", "pinned_blocks", "leases", "engine_steps", "kv_transfers", "kv_bytes", "kv_transfer_seconds", "kv_transfer_failures", "kv_leases_expired", "cpu_lent_steps", "cpu_lend_wait_seconds", "cpu_lend_reclaims", "lora_requests", "lora_loads")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +213,8 @@ class WorkerLoad(_message.Message):
     CPU_LENT_STEPS_FIELD_NUMBER: _ClassVar[int]
     CPU_LEND_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CPU_LEND_RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -226,4 +230,6 @@ class WorkerLoad(_message.Message):
     cpu_lent_steps: int
     cpu_lend_wait_seconds: float
     cpu_lend_reclaims: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., cpu_lent_steps: _Optional[int] = ..., cpu_lend_wait_seconds: _Optional[float] = ..., cpu_lend_reclaims: _Optional[int] = ...) -> None: ...
+    lora_requests: int
+    lora_loads: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., engine_steps: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., cpu_lent_steps: _Optional[int] = ..., cpu_lend_wait_seconds: _Optional[float] = ..., cpu_lend_reclaims: _Optional[int] = ..., lora_requests: _Optional[int] = ..., lora_loads: _Optional[int] = ...) -> None: ...

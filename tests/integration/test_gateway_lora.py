@@ -73,6 +73,35 @@ async def test_adapter_requests_go_only_to_workers_serving_it_at_its_path() -> N
     assert other.seen.requests and elsewhere.seen.requests
 
 
+async def test_adapter_requests_prefer_workers_where_the_adapter_is_resident() -> None:
+    """Two prefill and two decode workers serve the adapter; one of each reports it resident
+    in its engine's LoRA cache (the others would load it first): the adapter's requests go
+    there, the base model's to both (gateway.routing.prefix, lora_residency_weight)."""
+    holders = serving(FakePrefill()), serving(FakeDecode())
+    others = serving(FakePrefill()), serving(FakeDecode())
+    for worker in holders:
+        worker.caps.resident_lora_adapters.append(ADAPTER)
+    servers = [await start_worker(w) for w in others]
+    try:
+        async with gateway_cluster(
+            prefill=holders[0],
+            decode=holders[1],
+            extra_prefill=[f"127.0.0.1:{servers[0].port}"],
+            extra_decode=[f"127.0.0.1:{servers[1].port}"],
+            picker="prefix",  # the default with Redis, which has no part in this
+        ) as c:
+            adapted = [await _chat(c.base_url, ADAPTER) for _ in range(6)]
+            base = [await _chat(c.base_url, served_name()) for _ in range(6)]
+    finally:
+        for server in servers:
+            await server.stop(0)
+    assert all(r.status_code == 200 for r in adapted + base)
+    for holder, other in zip(holders, others, strict=True):
+        assert [r.params.lora_name for r in holder.seen.requests].count(ADAPTER) == 6
+        assert [r.params.lora_name for r in other.seen.requests if r.params.lora_name] == []
+        assert other.seen.requests, "the base model's requests still use every worker"
+
+
 async def test_without_a_worker_serving_the_adapter_no_request_is_served_with_the_base() -> None:
     """The adapter is known (a decode worker reports it), but that worker is gone."""
     gone = serving(FakeDecode())

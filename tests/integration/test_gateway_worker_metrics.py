@@ -81,6 +81,30 @@ async def test_core_lending_counters_are_exported_per_worker() -> None:
     assert values[("pdserve_gateway_worker_cpu_lend_reclaims_total", *p)] == 1.0
 
 
+async def test_lora_counters_and_the_heartbeats_resident_adapters() -> None:
+    """A worker's LoRA requests and the loads they needed (pdserve.worker.service), exported
+    per worker; the adapters its heartbeat lists as resident are those the pool's worker holds
+    (routing prefers them: gateway.routing.prefix)."""
+    pool = WorkerPool(GatewaySettings(control_timeout_s=0.5))
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(lambda: [*pool.prefill, *pool.decode]))
+    address = dead_address()
+    load = {"lora_requests": 10.0, "lora_loads": 3.0}
+    record = WorkerRecord("d", "decode", address, "e1", "m", load=load, loras=["a", "b"])
+    try:
+        await pool.reconcile([record])
+        values = gauges(generate_latest(registry).decode())
+        assert values[("pdserve_gateway_worker_lora_requests_total", "decode", address)] == 10.0
+        assert values[("pdserve_gateway_worker_lora_loads_total", "decode", address)] == 3.0
+        (worker,) = pool.decode
+        assert worker.holds_lora("a") and worker.holds_lora("b") and not worker.holds_lora("c")
+        record.loras = ["c"]  # "a" and "b" were evicted, "c" loaded
+        await pool.reconcile([record])
+        assert worker.holds_lora("c") and not worker.holds_lora("a")
+    finally:
+        await pool.close()
+
+
 async def test_a_worker_that_leaves_the_pool_is_no_longer_exported() -> None:
     pool = WorkerPool(GatewaySettings(control_timeout_s=0.5))
     registry = CollectorRegistry()

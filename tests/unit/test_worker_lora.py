@@ -88,6 +88,36 @@ class Engine:
     async def remove_lora(self, lora_id: int) -> bool:
         return self.loaded.pop(lora_id, None) is not None
 
+    async def list_loras(self) -> set[int]:
+        return set(self.loaded)
+
+
+async def test_a_request_counts_whether_its_engine_had_to_load_the_adapter(
+    tmp_path: Path,
+) -> None:
+    """vLLM's LoRA cache holds --max-cpu-loras adapters (list_loras); a request for one it
+    does not hold loads it first: counted in the worker's lora_loads, reported resident
+    (capabilities, heartbeat) once the engine lists it."""
+    from types import SimpleNamespace
+
+    from pdserve.worker.service import WorkerService
+
+    settings = SimpleNamespace(lora_modules=f"one={adapter_dir(tmp_path, 'a', 8)}")
+    engine = Engine()
+    service = WorkerService(engine, settings, None)  # type: ignore[arg-type]
+    assert await service.lora_request("") is None  # the base model: not counted
+    assert (service.load.lora_requests, service.load.lora_loads) == (0, 0)
+    request = await service.lora_request("one")
+    assert request.lora_int_id == 1
+    assert (service.load.lora_requests, service.load.lora_loads) == (1, 1)  # not resident
+    engine.loaded[1] = "one"  # the engine loaded it to run the request
+    await service.lora_request("one")
+    assert (service.load.lora_requests, service.load.lora_loads) == (2, 1)
+    assert await service.resident_loras() == ["one"]
+    engine.loaded.clear()  # evicted for another
+    assert await service.resident_loras() == [] and service.adapters.resident == frozenset()
+    assert await WorkerService(Engine(None), settings, None).resident_loras() == []  # type: ignore[arg-type]
+
 
 async def test_adapters_load_and_unload_at_run_time(tmp_path: Path) -> None:
     adapters = Adapters(parse_modules(f"one={adapter_dir(tmp_path, 'a', 8)}"))
