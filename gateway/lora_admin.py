@@ -44,6 +44,12 @@ async def load(served: ServedModels, body: Any) -> str:
     if any(name == s.model_name for s in served):
         raise InvalidRequest(f"The lora adapter '{name}' conflicts with a served base model.")
     service = _base_model(served, body.get("base_model_name"))
+    other = next((s for s in served if s is not service and name in s.pool.adapters()), None)
+    if other is not None:  # a request's model must name one base model's adapter
+        raise InvalidRequest(
+            f"The lora adapter '{name}' is an adapter of the model `{other.model_name}`: "
+            "unload it there first, or give this one another name."
+        )
     if name in service.pool.adapters() and not request.load_inplace:
         raise InvalidRequest(
             f"The lora adapter '{name}' has already been loaded. If you want to load the "

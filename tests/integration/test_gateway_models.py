@@ -168,6 +168,8 @@ async def test_an_adapter_belongs_to_the_base_model_whose_workers_serve_it(
             models = (await http.get("/v1/models")).json()["data"]
             bad = {"lora_name": "x", "lora_path": "/a/b", "base_model_name": "no-such-base"}
             unknown_base = await http.post("/v1/load_lora_adapter", json=bad)
+            twice = {"lora_name": ADAPTER, "lora_path": "/a/b"}  # on the first model as well
+            on_both = await http.post("/v1/load_lora_adapter", json=twice)
         adapted = await _chat(fleet.base_url, ADAPTER)
         lora = [r.params.lora_name for r in fleet.fakes["d-b"].seen.requests]
     assert loaded.status_code == 200, loaded.text
@@ -178,6 +180,7 @@ async def test_an_adapter_belongs_to_the_base_model_whose_workers_serve_it(
     ]  # fmt: skip
     assert unknown_base.status_code == 404
     assert unknown_base.json()["error"]["param"] == "base_model_name"
+    assert on_both.status_code == 400 and f"an adapter of the model `{SECOND}`" in on_both.text
     assert adapted.status_code == 200 and adapted.json()["model"] == ADAPTER
     assert lora == [ADAPTER] and fleet.served("d-a") == 0
 
