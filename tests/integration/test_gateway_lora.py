@@ -7,6 +7,8 @@ tier's (tests/e2e/test_lora.py)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -23,6 +25,17 @@ PATH = "/adapters/colors"
 def serving(worker: Any, path: str = PATH) -> Any:
     worker.caps.lora_adapters.add(name=ADAPTER, path=path, rank=8)
     return worker
+
+
+@asynccontextmanager
+async def running(*fakes: Any) -> AsyncIterator[list[str]]:
+    """``fakes`` served on free ports while the block runs; yields their addresses."""
+    servers = [await start_worker(w) for w in fakes]
+    try:
+        yield [f"127.0.0.1:{s.port}" for s in servers]
+    finally:
+        for server in servers:
+            await server.stop(0)
 
 
 async def _chat(base_url: str, model: str, **body: Any) -> httpx.Response:
@@ -54,18 +67,12 @@ async def test_an_adapter_is_a_model_whose_name_reaches_both_workers() -> None:
 
 async def test_adapter_requests_go_only_to_workers_serving_it_at_its_path() -> None:
     holder, other, elsewhere = serving(FakeDecode()), FakeDecode(), serving(FakeDecode(), "/x")
-    servers = [await start_worker(w) for w in (other, elsewhere)]
-    try:
-        async with gateway_cluster(
-            prefill=serving(FakePrefill()),
-            decode=holder,
-            extra_decode=[f"127.0.0.1:{s.port}" for s in servers],
-        ) as c:
-            adapted = [await _chat(c.base_url, ADAPTER) for _ in range(6)]
-            base = [await _chat(c.base_url, served_name()) for _ in range(6)]
-    finally:
-        for server in servers:
-            await server.stop(0)
+    async with (
+        running(other, elsewhere) as extra,
+        gateway_cluster(prefill=serving(FakePrefill()), decode=holder, extra_decode=extra) as c,
+    ):
+        adapted = [await _chat(c.base_url, ADAPTER) for _ in range(6)]
+        base = [await _chat(c.base_url, served_name()) for _ in range(6)]
     assert all(r.status_code == 200 for r in adapted + base)
     assert [r.params.lora_name for r in holder.seen.requests].count(ADAPTER) == 6
     assert all(not r.params.lora_name for w in (other, elsewhere) for r in w.seen.requests)
@@ -81,20 +88,18 @@ async def test_adapter_requests_prefer_workers_where_the_adapter_is_resident() -
     others = serving(FakePrefill()), serving(FakeDecode())
     for worker in holders:
         worker.caps.resident_lora_adapters.append(ADAPTER)
-    servers = [await start_worker(w) for w in others]
-    try:
-        async with gateway_cluster(
+    async with (
+        running(*others) as (other_prefill, other_decode),
+        gateway_cluster(
             prefill=holders[0],
             decode=holders[1],
-            extra_prefill=[f"127.0.0.1:{servers[0].port}"],
-            extra_decode=[f"127.0.0.1:{servers[1].port}"],
+            extra_prefill=[other_prefill],
+            extra_decode=[other_decode],
             picker="prefix",  # the default with Redis, which has no part in this
-        ) as c:
-            adapted = [await _chat(c.base_url, ADAPTER) for _ in range(6)]
-            base = [await _chat(c.base_url, served_name()) for _ in range(6)]
-    finally:
-        for server in servers:
-            await server.stop(0)
+        ) as c,
+    ):
+        adapted = [await _chat(c.base_url, ADAPTER) for _ in range(6)]
+        base = [await _chat(c.base_url, served_name()) for _ in range(6)]
     assert all(r.status_code == 200 for r in adapted + base)
     for holder, other in zip(holders, others, strict=True):
         assert [r.params.lora_name for r in holder.seen.requests].count(ADAPTER) == 6
@@ -142,21 +147,19 @@ async def test_a_migration_stays_among_the_workers_serving_the_adapter() -> None
     serving the adapter, though a worker without it comes first and is as idle."""
     dying = serving(FakeDecode(positional=True, fail_after=1))
     without, holder = FakeDecode(positional=True), serving(FakeDecode(positional=True))
-    servers = [await start_worker(w) for w in (without, holder)]
-    try:
-        async with gateway_cluster(
+    async with (
+        running(without, holder) as extra,
+        gateway_cluster(
             prefill=serving(FakePrefill()),
             decode=dying,
-            extra_decode=[f"127.0.0.1:{s.port}" for s in servers],
+            extra_decode=extra,
             retry_backoff_s=0.01,
-        ) as c:
-            # route the first call to the dying worker: the others look busy for a moment
-            for worker in c.gateway.pool.decode[1:]:
-                worker.in_flight += 10
-            reply = await _chat(c.base_url, ADAPTER, max_tokens=6)
-    finally:
-        for server in servers:
-            await server.stop(0)
+        ) as c,
+    ):
+        # route the first call to the dying worker: the others look busy for a moment
+        for worker in c.gateway.pool.decode[1:]:
+            worker.in_flight += 10
+        reply = await _chat(c.base_url, ADAPTER, max_tokens=6)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 6
     assert dying.seen.requests and not without.seen.requests
