@@ -63,6 +63,7 @@ class Generation:
         self,
         *,
         request_id: str,
+        model: str,
         endpoint: str,
         token_ids: Sequence[int],
         params: common_pb2.SamplingParams,
@@ -83,6 +84,7 @@ class Generation:
         self.request_id = request_id  # the first attempt's id; retries get fresh ones
         self.edge_id = edge_id or request_id  # the client's id (logged, never sent to workers)
         self.trace_id = tracing.current_trace_id()  # the request's trace (for the request log)
+        self.model = model  # the served base model's name, a label of its metrics
         self.endpoint = endpoint
         self.token_ids = list(token_ids)
         self.params = params
@@ -557,13 +559,13 @@ class Generation:
             now = time.monotonic()
             if self._last_token_at is None:
                 self.first_token_at = now
-                self._metrics.ttft.labels(self.path).observe(now - self._received_at)
+                self._metrics.ttft.labels(self.model, self.path).observe(now - self._received_at)
                 self._decode_span.add_event("first_token")
             else:
                 per_token = (now - self._last_token_at) / count
                 self.decode.steps.stepped(per_token)
                 for _ in range(count):
-                    self._metrics.itl.labels(self.path).observe(per_token)
+                    self._metrics.itl.labels(self.model, self.path).observe(per_token)
             self._last_token_at = now
             self._generated.extend(chunk.token_ids)
         return TokenDelta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs))
@@ -598,7 +600,7 @@ class Generation:
         self._pool.mark_ok(self.decode)
         self.decode.steps.answered(len(self._generated))
         self._release_workers()
-        self._metrics.requests.labels(self.endpoint, self.path, "ok").inc()
+        self._metrics.requests.labels(self.model, self.endpoint, self.path, "ok").inc()
         self._count_slo()
         request_log.generation_ended(
             self._logged(), "ok", cached_tokens=usage.cached_tokens, phases=phases
@@ -628,7 +630,7 @@ class Generation:
         ttft = self.first_token_at - self._received_at
         tpot = time_per_output_token(self.first_token_at, self._last_token_at, len(self._generated))
         for objective, met in self._slo.outcomes(ttft, tpot).items():
-            self._metrics.slo.labels(objective, "met" if met else "missed").inc()
+            self._metrics.slo.labels(self.model, objective, "met" if met else "missed").inc()
 
     def abandon(self, outcome: str) -> None:
         """End early: count the outcome once and abort the touched workers (in background)."""
@@ -637,7 +639,7 @@ class Generation:
         self._done = True
         self.phase = recovery.on_ended_early(self.phase).phase  # ABORT, carried out here
         self._release_workers()
-        self._metrics.requests.labels(self.endpoint, self.path, outcome).inc()
+        self._metrics.requests.labels(self.model, self.endpoint, self.path, outcome).inc()
         request_log.generation_ended(self._logged(), outcome)
         self._end_decode_span(
             {"pdserve.outcome": outcome}, None if outcome == "cancelled" else outcome

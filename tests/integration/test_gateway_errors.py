@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from pdserve.bench.fake_worker import FakeDecode, FakePrefill
-from tests.helpers import dead_address, gateway_cluster, served_name
+from tests.helpers import REQUESTS, counted, dead_address, gateway_cluster, served_name
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -166,8 +166,8 @@ async def test_no_decode_worker_is_503_and_unhealthy() -> None:
     assert assert_openai_error(chat, 503)["code"] == "no_worker_available"
     assert_openai_error(stream, 503)
     assert health.status_code == 503
-    labels = 'endpoint="chat_completions",outcome="unavailable",path="none"'
-    assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
+    labels = {"endpoint": "chat_completions", "outcome": "unavailable", "path": "none"}
+    assert counted(metrics, REQUESTS, model=served_name(), **labels) == 1
 
 
 async def test_unknown_route_and_method_are_openai_shaped() -> None:

@@ -23,7 +23,7 @@ from pdserve.cluster.redis_server import RedisServer
 from pdserve.kvindex.interfaces import WorkerRecord
 from pdserve.kvindex.redis_store import RedisStore
 from protos.v1 import generate_pb2
-from tests.helpers import model_dir, served_name, tokenizer
+from tests.helpers import REQUESTS, counted, metrics_text, model_dir, served_name, tokenizer
 from tests.integration.test_gateway_grpc import _generate
 
 SECOND = "second-model"
@@ -113,6 +113,7 @@ async def test_each_model_is_served_by_its_own_pool(redis_server: RedisServer) -
         second_text = await _chat(fleet.base_url, SECOND, "/v1/completions")
         unknown = await _chat(fleet.base_url, "nobody-serves-it")
         served = {name: fleet.served(name) for name in fleet.fakes}
+        metrics = await metrics_text(fleet.base_url)
     assert [(m["id"], m["parent"]) for m in models] == [(served_name(), None), (SECOND, None)]
     assert all(m["max_model_len"] > 0 for m in models)
     assert first.status_code == second.status_code == default.status_code == 200, second.text
@@ -121,6 +122,11 @@ async def test_each_model_is_served_by_its_own_pool(redis_server: RedisServer) -
     # each request prefilled and decoded by its model's workers only
     assert served == {"p-a": 2, "d-a": 2, "p-b": 2, "d-b": 2, "d-x": 0}
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    # the gateway's request metrics per model
+    by_model = {model: counted(metrics, REQUESTS, model=model) for model in (served_name(), SECOND)}
+    assert by_model == {served_name(): 2, SECOND: 2}
+    ttft = "pdserve_gateway_time_to_first_token_seconds_count"
+    assert counted(metrics, ttft, model=SECOND) == 2
     assert health["models"] == {
         served_name(): {"healthy_decode_workers": 1, "healthy_prefill_workers": 1},
         SECOND: {"healthy_decode_workers": 1, "healthy_prefill_workers": 1},

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 
 from pdserve.bench.fake_worker import FakePrefill
-from tests.helpers import GatedDecode, counted, gateway_cluster
+from tests.helpers import REQUESTS, GatedDecode, counted, gateway_cluster
 
 BODY = {"prompt": "The same prompt every time", "max_tokens": 4}
 
@@ -54,5 +54,5 @@ async def test_saturated_decode_worker_gets_429_with_retry_after_counted() -> No
     assert "decode worker" in refused.json()["error"]["message"]
     assert after.status_code == 200
     assert counted(metrics, 'pdserve_gateway_rejected_total{reason="decode_queue"}') == 1
-    assert counted(metrics, 'pdserve_gateway_requests_total{endpoint="completions",'
-                   'outcome="overloaded",path="none"}') == 1  # fmt: skip
+    overloaded = {"endpoint": "completions", "outcome": "overloaded", "path": "none"}
+    assert counted(metrics, REQUESTS, **overloaded) == 1

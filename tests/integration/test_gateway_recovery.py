@@ -16,7 +16,7 @@ import httpx
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
 from pdserve.rpc.server import GrpcServer
-from tests.helpers import Cluster, counted, gateway_cluster, metrics_text, served_name
+from tests.helpers import REQUESTS, Cluster, counted, gateway_cluster, metrics_text, served_name
 
 PROMPT = [11, 12, 13, 14, 15]
 MAX_TOKENS = 9
@@ -126,8 +126,8 @@ async def test_hung_stream_without_another_worker_is_a_504() -> None:
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "worker_timeout"
     assert counted(metrics, "pdserve_gateway_requests_total") == 1
-    assert counted(metrics, 'pdserve_gateway_requests_total{endpoint="completions",'
-                   'outcome="timeout",path="disaggregated"}') == 1  # fmt: skip
+    timeout = {"endpoint": "completions", "outcome": "timeout", "path": "disaggregated"}
+    assert counted(metrics, REQUESTS, **timeout) == 1
 
 
 async def test_decode_failure_before_first_token_retries_with_the_same_handoff() -> None:

@@ -10,7 +10,14 @@ import httpx
 import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
-from tests.helpers import dead_address, gateway_cluster, metrics_text, served_name
+from tests.helpers import (
+    REQUESTS,
+    counted,
+    dead_address,
+    gateway_cluster,
+    metrics_text,
+    served_name,
+)
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]
 ANSWER = "".join(text for _, text in DEFAULT_PIECES)
@@ -36,8 +43,8 @@ async def test_prefill_worker_down_falls_back_to_local() -> None:
     assert c.decode is not None
     assert all(not r.HasField("kv_transfer_params") for r in c.decode.seen.requests)
     assert health is False  # marked failed: the second request did not try it again
-    labels = 'endpoint="chat_completions",outcome="ok",path="local"'
-    assert f"pdserve_gateway_requests_total{{{labels}}} 2.0" in metrics
+    labels = {"endpoint": "chat_completions", "outcome": "ok", "path": "local"}
+    assert counted(metrics, REQUESTS, **labels) == 2
 
 
 async def test_prefill_error_falls_back_and_aborts_prefill() -> None:
@@ -121,8 +128,8 @@ async def test_client_disconnect_mid_stream_cancels_decode() -> None:
     (internal_id,) = {r.request_id for r in decode.seen.requests}
     assert internal_id != request_id
     assert decode.seen.aborts == [internal_id] and c.prefill.seen.aborts == [internal_id]
-    labels = 'endpoint="chat_completions",outcome="cancelled",path="disaggregated"'
-    assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
+    labels = {"endpoint": "chat_completions", "outcome": "cancelled", "path": "disaggregated"}
+    assert counted(metrics, REQUESTS, **labels) == 1
 
 
 async def test_client_disconnect_non_streaming_cancels_decode() -> None:
@@ -174,8 +181,8 @@ async def test_kv_transfer_failure_falls_back_to_local_on_the_same_decode_worker
     assert healthy  # the decode worker is fine: it only could not pull
     assert c.prefill.seen.aborts == [first.request_id] != [response.headers["x-request-id"]]
     assert 'pdserve_gateway_local_fallbacks_total{reason="kv_transfer_failed"} 1.0' in metrics
-    labels = 'endpoint="chat_completions",outcome="ok",path="local"'
-    assert f"pdserve_gateway_requests_total{{{labels}}} 1.0" in metrics
+    labels = {"endpoint": "chat_completions", "outcome": "ok", "path": "local"}
+    assert counted(metrics, REQUESTS, **labels) == 1
 
 
 async def test_kv_transfer_failure_with_policy_fail_is_503() -> None:

@@ -17,9 +17,7 @@ BODY = {"prompt": "Count to three:", "max_tokens": 4}
 
 def outcomes(metrics: str) -> dict[tuple[str, str], float]:
     return {
-        (objective, outcome): counted(
-            metrics, f'{SLO}_total{{objective="{objective}",outcome="{outcome}"}}'
-        )
+        (objective, outcome): counted(metrics, f"{SLO}_total", objective=objective, outcome=outcome)
         for objective in ("ttft", "tpot", "all")
         for outcome in ("met", "missed")
     }

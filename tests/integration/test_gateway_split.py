@@ -11,7 +11,7 @@ import asyncio
 import httpx
 
 from pdserve.bench.fake_worker import FakeDecode, FakePrefill
-from tests.helpers import counted, gateway_cluster, metrics_text
+from tests.helpers import REQUESTS, counted, gateway_cluster, metrics_text
 
 BODY = {"prompt": "Tell me a story about a cat.", "max_tokens": 4}
 SPLIT = "pdserve_gateway_split_decisions_total"
@@ -55,8 +55,8 @@ async def test_a_queue_on_the_prefill_worker_sends_prompts_to_the_decode_worker(
     # Those prompts reached the decode worker without a hand-off and were served there.
     without = [r for r in decode.seen.requests if not r.HasField("kv_transfer_params")]
     assert len(without) == local
-    ok_local = 'pdserve_gateway_requests_total{endpoint="completions",outcome="ok",path="local"}'
-    assert counted(metrics, ok_local) == local
+    ok_local = {"endpoint": "completions", "outcome": "ok", "path": "local"}
+    assert counted(metrics, REQUESTS, **ok_local) == local
 
 
 async def test_the_static_policy_always_uses_the_prefill_worker() -> None:

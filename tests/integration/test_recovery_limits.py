@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.bench.fake_worker import DEFAULT_PIECES, FakeDecode, FakePrefill, start_worker
 from pdserve.rpc.server import GrpcServer
-from tests.helpers import Cluster, counted, gateway_cluster, metrics_text, served_name
+from tests.helpers import REQUESTS, Cluster, counted, gateway_cluster, metrics_text, served_name
 
 PROMPT = [11, 12, 13, 14, 15]
 MAX_TOKENS = 9
@@ -96,8 +96,7 @@ async def test_a_stream_whose_decode_workers_keep_dying_migrates_max_migrations_
     assert "scripted worker death" in error["message"], "the worker's own error"
     assert out == expected_text(DIES_AFTER * (limit + 1)), "every token up to the last death"
     assert finish == ""
-    assert counted(metrics, "pdserve_gateway_requests_total{endpoint=\"completions\","
-                   "outcome=\"error\",") == 1  # fmt: skip
+    assert counted(metrics, REQUESTS, endpoint="completions", outcome="error") == 1
 
 
 STRUCTURED = {
@@ -219,5 +218,5 @@ async def test_a_full_prefill_queue_is_a_429_with_retry_after_counted() -> None:
     assert prefill.arrived == 2, "the refused request never reached the prefill worker"
     assert counted(metrics, 'pdserve_gateway_rejected_total{reason="prefill_queue"}') == 1
     assert counted(metrics, 'pdserve_gateway_rejected_total{reason="decode_queue"}') == 0
-    assert counted(metrics, 'pdserve_gateway_requests_total{endpoint="completions",'
-                   'outcome="overloaded",path="none"}') == 1  # fmt: skip
+    overloaded = {"endpoint": "completions", "outcome": "overloaded", "path": "none"}
+    assert counted(metrics, REQUESTS, **overloaded) == 1
