@@ -101,7 +101,7 @@ def redis_process(
             deadline = time.monotonic() + 30
             while server_pid(port, password) != process.pid:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    _stop(process)
+                    stop_process(process)
                     log.seek(0)
                     out = log.read().decode(errors="replace")
                     if PORT_TAKEN.search(out):
@@ -114,16 +114,18 @@ def redis_process(
     try:
         yield port, process
     finally:
-        _stop(process)
+        stop_process(process)
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = 10) -> None:
+    """Stops ``process`` if it runs: SIGTERM, and SIGKILL after ``grace_s``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from pdserve.telemetry import otlp_receiver
 from tests.e2e.api_cases import CASES as API_CASES
 from tests.e2e.cases import DTYPE, cases, fill_cases, tier_cases
 from tests.e2e.conformance import LORA_NAME, vllm_serve_battery
-from tests.helpers import model_dir
+from tests.helpers import model_dir, stop_process
 
 STARTUP_TIMEOUT_S = 600
 START_ATTEMPTS = 3  # fresh ports after a start that lost one of its ports to another process
@@ -315,7 +315,12 @@ def run_cluster(
     for attempt in range(START_ATTEMPTS):
         log_dir = log_root / f"attempt-{attempt}"
         found, up, up_log = _start_up(log_dir, prefill, decode, args, env, more)
-        failure = _wait_ready(found, up)
+        try:
+            failure = _wait_ready(found, up)
+        except BaseException:  # a start interrupted (a test timeout, Ctrl-C) leaves nothing
+            stop_process(up, grace_s=120)  # up stops its children on SIGTERM
+            up_log.close()
+            raise
         if failure is None:
             break
         up_log.close()
@@ -384,13 +389,7 @@ def _wait_ready(found: RealCluster, up: subprocess.Popen[bytes]) -> str | None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _all_ready(found):
         if up.poll() is not None or time.monotonic() > deadline:
-            if up.poll() is None:  # up stops its children on SIGTERM; kill is the last resort
-                up.terminate()
-                try:
-                    up.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    up.kill()
-                    up.wait()
+            stop_process(up, grace_s=120)  # up stops its children on SIGTERM
             out = (found.log_dir / "pdserve-up.out").read_text(errors="replace")
             return f"{out[-3000:]}\n{found.logs()}"
         time.sleep(1)

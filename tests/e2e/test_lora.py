@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from tests.e2e.conformance import LORA_NAME
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import RealCluster, metric_sum
+from tests.e2e.test_faults import wait_until
 from tests.e2e.test_routing import BLOCK, TURNS, predictions, system_prompt
 from tests.helpers import served_name
 
@@ -94,3 +95,47 @@ def test_an_adapters_chats_follow_their_prefix_and_predictions_match(
     delta = {r: after[r] - before[r] for r in after}
     assert sum(delta.values()) == conversations * TURNS, delta
     assert delta["exact"] / (conversations * TURNS) >= 0.95, delta
+
+
+def test_an_adapter_evicted_from_the_engines_lora_cache_is_loaded_again_and_counted(
+    cluster: RealCluster, lora_adapters: tuple[str, str]
+) -> None:
+    """Each engine's LoRA cache holds 4 adapters (``--max-loras`` 4 with run-time loading,
+    vLLM's ``--max-cpu-loras`` as many). A request for a resident adapter needs no load; 4
+    adapters loaded at run time evict ``LORA_NAME``, and its next request on each worker
+    loads it again (the workers' ``lora_loads``, exported by the gateway), with the same
+    answer, never the base model's."""
+    import httpx
+
+    client = _client(cluster)
+
+    def counters() -> tuple[float, float]:
+        return (metric_sum(cluster, "pdserve_gateway_worker_lora_requests_total"),
+                metric_sum(cluster, "pdserve_gateway_worker_lora_loads_total"))  # fmt: skip
+
+    def ask_counted() -> tuple[str, float]:
+        """The adapter's answer, and the loads its prefill and decode worker needed."""
+        requests, loads = counters()
+        text, _, worker = _ask(client, LORA_NAME, QUESTION)
+        assert "local" not in worker, "a prefill worker and a decode worker"
+        wait_until(lambda: counters()[0] >= requests + 2, 30, "the workers report it")
+        return text, counters()[1] - loads
+
+    first, _ = ask_counted()  # resident now, whatever ran before
+    resident, loads = ask_counted()
+    assert (resident, loads) == (first, 0), "a resident adapter needs no load"
+    names = [f"lru-{i}" for i in range(4)]
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
+        try:
+            for name in names:
+                body = {"lora_name": name, "lora_path": lora_adapters[1]}
+                answer = http.post("/v1/load_lora_adapter", json=body)
+                assert answer.status_code == 200, answer.text
+            evicted, loads = ask_counted()
+        finally:
+            for name in names:
+                http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    assert loads == 2, "its prefill and its decode worker each loaded it again"
+    assert evicted == first
+    base, _, _ = _ask(client, served_name(), QUESTION)
+    assert base != first
