@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import httpx
 
 from gateway.config import GatewaySettings
+from gateway.pool import WorkerPool
 from gateway.render import Renderer, shared_renderer
 from gateway.server import GatewayServer
 from gateway.tokenizer import HfTokenizer
@@ -255,11 +256,25 @@ async def gateway_cluster(
     gateway = GatewayServer(settings, tokenizer=tokenizer())
     await gateway.start()
     try:
+        await _until_checked(gateway.pool, {f"127.0.0.1:{s.port}" for s in servers.values()})
         yield Cluster(gateway, p, d, servers)
     finally:
         await gateway.stop(grace_s=0)
         for server in servers.values():
             await server.stop(0)
+
+
+async def _until_checked(pool: WorkerPool, fakes: set[str], timeout_s: float = 30.0) -> None:
+    """Health-checks the pool again while a fake worker's check ran out of time. A fake
+    answers at once, so that happens only on a loaded machine, where the helper's 1 s
+    ``control_timeout_s`` can pass before a fresh channel's first answer; its 30 s health
+    interval would then leave the worker unhealthy for the whole test."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = [*pool.prefill, *pool.decode]
+        if not any(w.address in fakes and "DEADLINE_EXCEEDED" in w.last_error for w in workers):
+            return
+        await pool.refresh()
 
 
 def _addresses(servers: dict[str, GrpcServer], role: str) -> list[str]:
