@@ -256,7 +256,8 @@ async def gateway_cluster(
     gateway = GatewayServer(settings, tokenizer=tokenizer())
     await gateway.start()
     try:
-        await _until_checked(gateway.pool, {f"127.0.0.1:{s.port}" for s in servers.values()})
+        fakes = {*_addresses(servers, "prefill"), *_addresses(servers, "decode")}
+        await _until_checked(gateway.pool, fakes)
         yield Cluster(gateway, p, d, servers)
     finally:
         await gateway.stop(grace_s=0)
@@ -286,9 +287,9 @@ REQUESTS = "pdserve_gateway_requests_total"  # the gateway's finished requests, 
 
 def counted(metrics: str, series: str, **labels: str) -> float:
     """The sum of the samples in a /metrics text whose series is ``series``: a metric's name
-    (every label set of it), a name with its labels, or a name with its first labels (ending
-    in a comma). With ``labels``: the samples named ``series`` whose labels include these
-    (whatever other labels they carry). 0 when there is none yet."""
+    (every label set of it) or a name with its labels. With ``labels``: the samples named
+    ``series`` whose labels include these (whatever other labels they carry). 0 when there is
+    none yet."""
     if labels:
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -300,8 +301,7 @@ def counted(metrics: str, series: str, **labels: str) -> float:
         )
     total = 0.0
     for line in metrics.splitlines():
-        rest = line[len(series) :] if line.startswith(series) else None
-        if rest is not None and (series.endswith(",") or rest[:1] in (" ", "{")):
+        if line.startswith(series) and line[len(series) : len(series) + 1] in (" ", "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
