@@ -290,6 +290,8 @@ def counted(metrics: str, series: str, **labels: str) -> float:
     (every label set of it) or a name with its labels. With ``labels``: the samples named
     ``series`` whose labels include these (whatever other labels they carry). 0 when there is
     none yet."""
+    if "{" in series and not series.endswith("}"):
+        raise ValueError(f"{series!r}: name the labels in full or pass them as keywords")
     if labels:
         from prometheus_client.parser import text_string_to_metric_families
 

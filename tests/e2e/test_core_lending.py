@@ -103,8 +103,8 @@ async def test_a_full_decode_kv_cache_makes_requests_wait_not_fail(
         while True:
             text = await metrics_text(cluster.base_url)
             for name in peak:
-                series = f'pdserve_gateway_worker_{name}{{role="decode",'
-                peak[name] = max(peak[name], counted(text, series))
+                series = f"pdserve_gateway_worker_{name}"
+                peak[name] = max(peak[name], counted(text, series, role="decode"))
             await asyncio.sleep(0.25)
 
     watcher = asyncio.create_task(watch())
