@@ -155,37 +155,48 @@ class Tracker:
     """Feeds the bytes of the views, in order and as far as the socket has sent or filled
     them, to the MAC of each segment in turn (``segments``: its update and its length):
     hashing runs between socket calls, while the kernel moves the next bytes (the peer keeps
-    sending into the socket buffers meanwhile); no thread, no extra copy."""
+    sending into the socket buffers meanwhile); no thread, no extra copy.
+
+    The views are cut at segment and view boundaries once, up front, into pieces (a MAC's
+    update and its slice of one view); ``advance`` then hashes every piece the bytes so far
+    cover whole, in one short loop: a piece not yet whole waits for the next call (at most
+    one segment behind), so no piece is cut at a socket call's end and the loop does no
+    arithmetic per piece. Its per-piece work was a third of the pass over a 64 MB pull.
+    """
 
     def __init__(
         self,
         views: Sequence[memoryview],
         segments: Sequence[tuple[Callable[[bytes | memoryview], None], int]],
     ) -> None:
-        self.views = [v for v in views if len(v)]
-        self.segments = segments
-        self.view = 0  # the view being hashed
-        self.offset = 0  # bytes of it hashed
-        self.segment = 0  # the segment being hashed
-        self.left = segments[0][1] if segments else 0  # bytes of it not hashed yet
-        self.done = 0  # bytes hashed in all
+        self.updates: list[Callable[[bytes | memoryview], None]] = []
+        self.pieces: list[memoryview] = []
+        self.ends: list[int] = []  # the piece's end in the views' concatenation
+        done = 0
+        pending = iter([segment for segment in segments if segment[1]])
+        update, left = next(pending, (None, 0))
+        for view in views:
+            offset = 0
+            while offset < len(view) and update is not None:
+                n = min(len(view) - offset, left)
+                self.updates.append(update)
+                self.pieces.append(view[offset : offset + n])
+                done += n
+                self.ends.append(done)
+                offset += n
+                left -= n
+                if not left:
+                    update, left = next(pending, (None, 0))
+        self.next = 0  # the first piece not hashed yet
 
     def advance(self, total: int) -> None:
-        """Hash up to byte ``total`` of the views' concatenation."""
-        views, segments = self.views, self.segments
-        while self.done < total and self.view < len(views) and self.segment < len(segments):
-            view = views[self.view]
-            n = min(len(view) - self.offset, total - self.done, self.left)
-            segments[self.segment][0](view[self.offset : self.offset + n])
-            self.done += n
-            self.offset += n
-            self.left -= n
-            if self.offset == len(view):
-                self.view, self.offset = self.view + 1, 0
-            if not self.left:
-                self.segment += 1
-                if self.segment < len(segments):
-                    self.left = segments[self.segment][1]
+        """Hash every piece that the first ``total`` bytes of the views cover whole."""
+        i, ends, updates, pieces = self.next, self.ends, self.updates, self.pieces
+        last = len(ends)
+        while i < last and ends[i] <= total:
+            updates[i](pieces[i])
+            i += 1
+        self.next = i
 
 
 def check(expected: bytes, received: bytes) -> None:
