@@ -30,7 +30,7 @@ from gateway.errors import (
     WorkerTimedOut,
     public_message,
 )
-from gateway.events import Finish, TokenDelta
+from gateway.events import Finish, TokenDelta, outcome_for
 from gateway.models import ServedModels
 from gateway.service import GenerateRequest, GenerationService, Prompt, edge_request_id
 from pdserve.rpc.client import REQUEST_ID_METADATA
@@ -212,7 +212,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             try:
                 self.api_keys.check(metadata.get(AUTHORIZATION_METADATA))
             except Unauthenticated as err:
-                request_log.refused_at_edge(request_id, ENDPOINT, err)
+                self._refused(request_id, err, None)
                 await self._abort(context, err)
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
             with _span("Generate", request_id, metadata):
@@ -220,8 +220,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     async for message in self._generate(request, request_id, context, metadata):
                         yield message
                 except GatewayError as err:
-                    request_log.refused_at_edge(request_id, ENDPOINT, err)
+                    self._refused(request_id, err, request.model)
                     await self._abort(context, err)
+
+    def _refused(self, request_id: str, err: GatewayError, model: str | None) -> None:
+        """The line and count of a call refused before the core logged and counted it, under
+        the model whose service it went to (``model``: None for one not authenticated)."""
+        if request_log.refused_at_edge(request_id, ENDPOINT, err):
+            name = self.served.for_model(model).model_name
+            outcome = outcome_for(err)
+            self.served.metrics.requests.labels(name, ENDPOINT, "none", outcome).inc()
 
     async def _generate(
         self,

@@ -42,6 +42,7 @@ from gateway.anthropic_api import AnthropicApi
 from gateway.auth import ApiKeys
 from gateway.chat_parsing import ParsedChat
 from gateway.errors import GatewayError, InvalidRequest, validation_message
+from gateway.events import outcome_for
 from gateway.fanout import ChoiceSpec, choice_specs, close_all, start_all
 from gateway.generation import Generation
 from gateway.http_errors import ERROR_RESPONSES, error_response
@@ -146,7 +147,7 @@ def create_app(
     served = ServedModels.of(served)
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     app.add_middleware(RequestIdMiddleware)
-    _add_error_handlers(app, served.settings.routing_headers)
+    _add_error_handlers(app, served)
     keys = api_keys or ApiKeys(())
 
     async def authorize(
@@ -200,7 +201,7 @@ def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
     @api.post("/v1/completions", response_model=None, openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
-        service = served.for_body(body)
+        service = _chosen(served, request, body)
         renderer = await service.renderer.get()
         completion, rendered = await renderer.completion(body, service.served())
         shape = completion_shape(completion)
@@ -222,7 +223,7 @@ def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
     )
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
-        return await _serve_chat(served.for_body(body), request, body, "chat_completions")
+        return await _serve_chat(_chosen(served, request, body), request, body, "chat_completions")
 
     anthropic = PerModel(served, lambda s: AnthropicApi(s.tokenizer.chat_template))
 
@@ -230,7 +231,7 @@ def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API: vLLM's conversion to and from a chat completion."""
         body = await _json_body(request)
-        service = served.for_body(body)
+        service = _chosen(served, request, body)
         converter = await anthropic.get(service)
         chat = converter.chat_body(body)
         return await _serve_chat(service, request, chat, "messages", converter)
@@ -239,7 +240,7 @@ def _add_generation_routes(api: APIRouter, served: ServedModels) -> None:
     async def count_tokens(request: Request) -> dict[str, Any]:
         """The prompt tokens of a Messages request, as the gateway renders it."""
         body = await _json_body(request)
-        service = served.for_body(body)
+        service = _chosen(served, request, body)
         converter = await anthropic.get(service)
         chat = converter.chat_body(body, count=True)
         renderer = await service.renderer.get()
@@ -275,7 +276,7 @@ def _add_responses_routes(api: APIRouter, served: ServedModels) -> None:
     @api.post("/v1/responses", response_model=None, openapi_extra=_body("ResponsesRequest"))
     async def responses(request: Request) -> Response:
         body = await _json_body(request)
-        service = served.for_body(body)
+        service = _chosen(served, request, body)
         renderer = await service.renderer.get()
         answer = await built.get(service)
         asked, params, rendered = await renderer.responses(body, service.served())
@@ -349,7 +350,7 @@ def _add_token_routes(api: APIRouter, served: ServedModels) -> None:
     async def tokenize_route(request: Request) -> dict[str, Any]:
         """vLLM's ``/tokenize``: the ids a generation request sends to the workers."""
         body = await _json_body(request)
-        service = served.for_body(body)
+        service = _chosen(served, request, body)
         renderer = await service.renderer.get()
         return await renderer.tokenize(body, service.served())
 
@@ -365,7 +366,7 @@ def _add_token_routes(api: APIRouter, served: ServedModels) -> None:
     async def detokenize_route(request: Request) -> dict[str, Any]:
         """vLLM's ``/detokenize``."""
         body = await _json_body(request)
-        renderer = await served.for_body(body).renderer.get()
+        renderer = await _chosen(served, request, body).renderer.get()
         return await renderer.detokenize(body)
 
 
@@ -429,17 +430,19 @@ def _add_open_routes(app: FastAPI, served: ServedModels) -> None:
         return Response(served.metrics.render(), media_type=served.metrics.content_type)
 
 
-def _add_error_handlers(app: FastAPI, routing: bool) -> None:
+def _add_error_handlers(app: FastAPI, served: ServedModels) -> None:
+    routing = served.settings.routing_headers
+
     @app.exception_handler(GatewayError)
     async def domain_error(request: Request, err: GatewayError) -> JSONResponse:
-        _refused(request, err)
+        _refused(request, err, served)
         return error_response(err, routing, request.url.path in ANTHROPIC_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
         message, param = validation_message(err.errors())
         invalid = InvalidRequest(message, param=param)
-        _refused(request, invalid)
+        _refused(request, invalid, served)
         return error_response(invalid, routing, request.url.path in ANTHROPIC_PATHS)
 
     @app.exception_handler(StarletteHTTPException)
@@ -449,11 +452,23 @@ def _add_error_handlers(app: FastAPI, routing: bool) -> None:
         return JSONResponse(body, err.status_code, headers=err.headers)
 
 
-def _refused(request: Request, err: GatewayError) -> None:
-    """The request line of a generation request that failed before the core logged it."""
+def _chosen(served: ServedModels, request: Request, body: Any) -> GenerationService:
+    """The service of the body's model, remembered for a refusal's count (``_refused``)."""
+    service = served.for_body(body)
+    request.state.model = service.model_name
+    return service
+
+
+def _refused(request: Request, err: GatewayError, served: ServedModels) -> None:
+    """The request line and count of a generation request that failed before the core
+    logged and counted it (vLLM's renderer refused it, or its model is served by nobody):
+    under the model whose service it went to, the first model's if none was chosen yet."""
     endpoint = GENERATION_ENDPOINTS.get(request.url.path)
-    if endpoint:
-        request_log.refused_at_edge(_request_id(request), endpoint, err, _received_at(request))
+    if endpoint and request_log.refused_at_edge(
+        _request_id(request), endpoint, err, _received_at(request)
+    ):
+        model = getattr(request.state, "model", served.default.model_name)
+        served.metrics.requests.labels(model, endpoint, "none", outcome_for(err)).inc()
 
 
 async def _json_body(request: Request) -> Any:

@@ -173,10 +173,12 @@ def refused(
 
 def refused_at_edge(
     request_id: str, endpoint: str, err: GatewayError, received_at: float | None = None
-) -> None:
+) -> bool:
     """The line of a request its adapter refused (e.g. vLLM's renderer refused its body),
-    unless the core has written one (the error came from there)."""
+    unless the core has written one (the error came from there, and the core counted it);
+    True when it wrote the line (the adapter then counts the request)."""
     lines = _lines.get()
     if lines is not None and lines.written:
-        return
+        return False
     refused(request_id, endpoint, outcome_for(err), received_at=received_at)
+    return True

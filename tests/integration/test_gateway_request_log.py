@@ -20,7 +20,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway.request_log import FIELDS
 from pdserve.telemetry import log as pdlog
 from protos.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.helpers import GatedDecode, counted, gateway_cluster, served_name, tokenizer
+from tests.helpers import (
+    REQUESTS,
+    GatedDecode,
+    counted,
+    gateway_cluster,
+    served_name,
+    tokenizer,
+)
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -137,8 +144,15 @@ async def test_invalid_requests_are_one_line_each(log: Captured) -> None:
         chat = {"model": served_name(), "messages": []}
         reply = await http.post("/v1/chat/completions", json=chat, headers={"x-request-id": "e"})
         assert reply.status_code == 400
+        metrics = (await http.get("/metrics")).text
     lines = log.requests()
     assert len(lines) == 4, lines
+    # Each is counted once, as its line says, whichever layer refused it (an unknown model
+    # under the first model, whose service answered the 404).
+    model, invalid = served_name(), {"outcome": "invalid", "path": "none"}
+    assert counted(metrics, REQUESTS, model=model, endpoint="completions", **invalid) == 3
+    assert counted(metrics, REQUESTS, model=model, endpoint="chat_completions", **invalid) == 1
+    assert counted(metrics, REQUESTS) == 4
     for request_id in [*cases, "e"]:
         line = only(lines, request_id)
         assert line["outcome"] == "invalid" and line["path"] == "none"
@@ -162,6 +176,9 @@ async def test_grpc_requests_and_every_choice_are_lines(log: Captured) -> None:
             body = {"model": served_name(), "prompt": "Hi", "max_tokens": 2, "n": 2}
             reply = await http.post("/v1/completions", json=body, headers={"x-request-id": "n"})
             assert reply.status_code == 200, reply.text
+            metrics = (await http.get("/metrics")).text
+    assert counted(metrics, REQUESTS, endpoint="grpc_generate", outcome="invalid") == 1
+    assert counted(metrics, REQUESTS, endpoint="grpc_generate", outcome="ok") == 1
     lines = log.requests()
     assert len(lines) == 4, lines
     ok = only(lines, "g1")
