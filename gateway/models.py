@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from gateway.errors import InvalidRequest
 from gateway.pool import WorkerPool
 from gateway.service import GenerationService, ModelInfo
 
@@ -41,16 +42,24 @@ class ServedModels:
     def for_model(self, model: Any) -> GenerationService:
         """The service of ``model``: a base model's, or that of the base model whose workers
         serve the adapter ``model`` names. Anything else goes to the default model, whose
-        checks answer a name nobody serves with vLLM's 404 (counted as any refusal)."""
+        checks answer a name nobody serves with vLLM's 404 (counted as any refusal). An
+        adapter name that several base models' workers serve (each worker's own
+        ``--lora-modules``) names none of them: a 400 naming them, not the first one's."""
         if not isinstance(model, str) or not model:
             return self.default
         for service in self.services:
             if model == service.model_name:
                 return service
-        for service in self.services:
-            if model in service.pool.adapters():
-                return service
-        return self.default
+        serving = [s for s in self.services if model in s.pool.adapters()]
+        if len(serving) > 1:
+            bases = ", ".join(f"`{s.model_name}`" for s in serving)
+            raise InvalidRequest(
+                f"the LoRA adapter `{model}` is served by the workers of several base models "
+                f"({bases}), so its name does not say which one to use; serve it under another "
+                "name on all but one of them",
+                param="model",
+            )
+        return serving[0] if serving else self.default
 
     def for_body(self, body: Any) -> GenerationService:
         """The service of a JSON body's ``model`` (not an object: the default's, whose

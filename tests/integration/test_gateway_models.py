@@ -44,10 +44,11 @@ class Fleet:
 
 
 @asynccontextmanager
-async def two_models(redis_url: str, **overrides: Any) -> AsyncIterator[Fleet]:
+async def two_models(redis_url: str, shared: str = "", **overrides: Any) -> AsyncIterator[Fleet]:
     """A gateway serving the default model and ``SECOND`` (the same directory under another
     name), each with one fake prefill and one fake decode worker announced in Redis, and one
-    decode worker of a model the gateway does not serve."""
+    decode worker of a model the gateway does not serve. ``shared``: a static LoRA adapter of
+    that name on every worker of both models."""
     fakes: dict[str, FakePrefill | FakeDecode] = {
         "p-a": FakePrefill(cached_tokens=0), "d-a": FakeDecode(),
         "p-b": FakePrefill(cached_tokens=0), "d-b": FakeDecode(), "d-x": FakeDecode(),
@@ -59,6 +60,8 @@ async def two_models(redis_url: str, **overrides: Any) -> AsyncIterator[Fleet]:
         for name, fake in fakes.items():
             fake.caps.worker_id = name
             fake.caps.served_model_name = models[name[-1]]
+            if shared and name[-1] in "ab":
+                fake.caps.lora_adapters.add(name=shared, path=f"/adapters/{name[-1]}", rank=8)
             server = await start_worker(fake)
             servers.append(server)
             role = "prefill" if name.startswith("p") else "decode"
@@ -123,8 +126,12 @@ async def test_each_model_is_served_by_its_own_pool(redis_server: RedisServer) -
     assert served == {"p-a": 2, "d-a": 2, "p-b": 2, "d-b": 2, "d-x": 0}
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
     # the gateway's request metrics per model
-    by_model = {model: counted(metrics, REQUESTS, model=model) for model in (served_name(), SECOND)}
+    models_ok = (served_name(), SECOND)
+    by_model = {model: counted(metrics, REQUESTS, model=model, outcome="ok") for model in models_ok}
     assert by_model == {served_name(): 2, SECOND: 2}
+    # the unknown model's 404, counted once, under the first model (whose service answered it)
+    assert counted(metrics, REQUESTS, model=served_name(), path="none", outcome="invalid") == 1
+    assert counted(metrics, REQUESTS) == 5
     ttft = "pdserve_gateway_time_to_first_token_seconds_count"
     assert counted(metrics, ttft, model=SECOND) == 2
     assert health["models"] == {
@@ -189,6 +196,23 @@ async def test_an_adapter_belongs_to_the_base_model_whose_workers_serve_it(
     assert on_both.status_code == 400 and f"an adapter of the model `{SECOND}`" in on_both.text
     assert adapted.status_code == 200 and adapted.json()["model"] == ADAPTER
     assert lora == [ADAPTER] and fleet.served("d-a") == 0
+
+
+async def test_an_adapter_name_two_base_models_serve_is_refused_naming_both(
+    redis_server: RedisServer,
+) -> None:
+    async with two_models(redis_server.url, shared="colors") as fleet:
+        await _until_healthy(fleet.base_url, 2)
+        reply = await _chat(fleet.base_url, "colors")
+        base = await _chat(fleet.base_url, SECOND)
+        served = {name: fleet.served(name) for name in fleet.fakes}
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "model"
+    assert f"base models (`{served_name()}`, `{SECOND}`)" in error["message"]
+    # nothing went to either model's workers for it; a base model's request still does
+    assert base.status_code == 200
+    assert served == {"p-a": 0, "d-a": 0, "p-b": 1, "d-b": 1, "d-x": 0}
 
 
 def test_several_models_need_the_registry() -> None:
