@@ -171,7 +171,7 @@ class DecodeService(WorkerService):
                     raise InvalidRequest("the KV hand-off was released: its request was cancelled")
             salt = cache_salt(params)
             adapter = self.adapters.get(params.lora_name)
-            lora = self.lora_request(params.lora_name)
+            lora = await self.lora_request(params.lora_name)
             tag = adapter.tier_tag if adapter else None
             tier = self.settings.kv_tier != "off"
             transfer = salted_transfer_params(handoff, salt, tier, tag)

@@ -125,7 +125,7 @@ class PrefillService(WorkerService):
         )
         final = None
         prompt = engine_prompt(list(token_ids), salt)
-        lora = self.lora_request(lora_name)
+        lora = await self.lora_request(lora_name)
         with self.counted():
             # vLLM's own request spans (when its tracing is on) join the caller's trace.
             trace = self.trace_headers()

@@ -95,39 +95,18 @@ class Adapters:
     def __init__(self, adapters: Sequence[Adapter]) -> None:
         self.by_name = {a.name: a for a in adapters}
         self._next_id = len(adapters) + 1
-        # Those resident in the engine's LoRA cache: as the engine listed them when last asked
-        # (``refresh``), with those loaded or run since (``run``).
+        # Those resident in the engine's LoRA cache when last asked (``refresh``).
         self.resident: frozenset[str] = frozenset()
-        self._listing: list[set[str]] = []  # per refresh in progress: the adapters run since
 
     async def refresh(self, engine: Any) -> frozenset[str]:
         """The adapters resident in ``engine``'s LoRA cache now (vLLM's ``list_loras``: its
         cache holds ``--max-cpu-loras`` of them and evicts the least recently used one to
-        load another), kept in ``resident``. An adapter a request ran while the engine was
-        asked stays resident: the engine may have listed before the request loaded it."""
+        load another), kept in ``resident``."""
         if getattr(engine.vllm_config, "lora_config", None) is None:
             return self.resident
-        ran: set[str] = set()
-        self._listing.append(ran)
-        try:
-            ids = await engine.list_loras()
-        finally:
-            self._listing.remove(ran)
-        listed = {a.name for a in self.by_name.values() if a.int_id in ids}
-        self.resident = frozenset(listed | (ran & self.by_name.keys()))
+        ids = await engine.list_loras()
+        self.resident = frozenset(a.name for a in self.by_name.values() if a.int_id in ids)
         return self.resident
-
-    def run(self, name: str) -> bool:
-        """A request runs the adapter ``name``: True when the engine's LoRA cache held it
-        (``resident``), else running the request loads it; resident afterwards. Does not ask
-        the engine: a request should not wait for the end of its engine's step to learn it.
-        An adapter that this load evicts stays in ``resident`` until the next ``refresh``
-        (the worker's heartbeat)."""
-        held = name in self.resident
-        self.resident |= {name}
-        for ran in self._listing:
-            ran.add(name)
-        return held
 
     async def load(self, engine: Any, name: str, path: str, inplace: bool = False) -> None:
         """Load ``path`` as ``name`` into ``engine`` (vLLM's ``add_lora``, as vllm serve's
@@ -159,13 +138,11 @@ class Adapters:
         if old is None:
             self._next_id += 1
         self.by_name[name] = adapter
-        await self.refresh(engine)  # resident now, and the one it evicted is not
 
     async def unload(self, engine: Any, name: str) -> None:
         adapter = self.by_name.pop(name, None)
         if adapter is None:
             raise InvalidRequest(f"this worker serves no LoRA adapter {name!r}")
-        self.resident -= {name}
         await engine.remove_lora(adapter.int_id)
 
     def get(self, name: str) -> Adapter | None:

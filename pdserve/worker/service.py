@@ -39,14 +39,15 @@ class WorkerService:
         finally:
             self.load.in_flight -= 1
 
-    def lora_request(self, name: str) -> Any:
+    async def lora_request(self, name: str) -> Any:
         """vLLM's ``LoRARequest`` for the adapter ``name`` (None: the base model), counted in
         ``load``: ``lora_requests``, and ``lora_loads`` when the engine's LoRA cache does not
-        hold the adapter (``Adapters.run``), so that running the request loads it first."""
+        hold the adapter, so that running the request loads it first."""
         request = self.adapters.request(name)
         if request is not None:
+            resident = await self.adapters.refresh(self.engine)
             self.load.lora_requests += 1
-            self.load.lora_loads += not self.adapters.run(name)
+            self.load.lora_loads += name not in resident
         return request
 
     async def resident_loras(self) -> list[str]:

@@ -72,44 +72,32 @@ def test_an_adapters_kv_carries_its_tag_in_the_tier(tmp_path: Path) -> None:
 
 
 class Engine:
-    """vLLM's AsyncLLM as far as run-time adapters go; its LoRA cache holds ``capacity``
-    adapters and evicts the one loaded first to load another."""
+    """vLLM's AsyncLLM as far as run-time adapters go."""
 
-    def __init__(self, max_rank: int | None = 16, capacity: int = 4) -> None:
-        import asyncio
+    def __init__(self, max_rank: int | None = 16) -> None:
         from types import SimpleNamespace
 
         lora = None if max_rank is None else SimpleNamespace(max_lora_rank=max_rank)
         self.vllm_config = SimpleNamespace(lora_config=lora)
         self.loaded: dict[int, str] = {}
-        self.capacity = capacity
-        self.listed = 0  # list_loras calls
-        self.step = asyncio.Event()  # list_loras answers at the end of the engine's step
-        self.step.set()
 
     async def add_lora(self, request: object) -> bool:
         self.loaded[request.lora_int_id] = request.lora_name  # type: ignore[attr-defined]
-        while len(self.loaded) > self.capacity:
-            self.loaded.pop(next(iter(self.loaded)))
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:
         return self.loaded.pop(lora_id, None) is not None
 
     async def list_loras(self) -> set[int]:
-        self.listed += 1
-        listed = set(self.loaded)
-        await self.step.wait()
-        return listed
+        return set(self.loaded)
 
 
 async def test_a_request_counts_whether_its_engine_had_to_load_the_adapter(
     tmp_path: Path,
 ) -> None:
     """vLLM's LoRA cache holds --max-cpu-loras adapters (list_loras); a request for one it
-    does not hold loads it first: counted in the worker's lora_loads, and resident since, as
-    the request path knows without asking the engine (which answers only between steps).
-    The heartbeat's refresh sees evictions."""
+    does not hold loads it first: counted in the worker's lora_loads, reported resident
+    (capabilities, heartbeat) once the engine lists it."""
     from types import SimpleNamespace
 
     from pdserve.worker.service import WorkerService
@@ -117,52 +105,18 @@ async def test_a_request_counts_whether_its_engine_had_to_load_the_adapter(
     settings = SimpleNamespace(lora_modules=f"one={adapter_dir(tmp_path, 'a', 8)}")
     engine = Engine()
     service = WorkerService(engine, settings, None)  # type: ignore[arg-type]
-    assert service.lora_request("") is None  # the base model: not counted
+    assert await service.lora_request("") is None  # the base model: not counted
     assert (service.load.lora_requests, service.load.lora_loads) == (0, 0)
-    request = service.lora_request("one")
+    request = await service.lora_request("one")
     assert request.lora_int_id == 1
     assert (service.load.lora_requests, service.load.lora_loads) == (1, 1)  # not resident
     engine.loaded[1] = "one"  # the engine loaded it to run the request
-    service.lora_request("one")
+    await service.lora_request("one")
     assert (service.load.lora_requests, service.load.lora_loads) == (2, 1)
-    assert engine.listed == 0  # the request path never waited for the engine
     assert await service.resident_loras() == ["one"]
     engine.loaded.clear()  # evicted for another
     assert await service.resident_loras() == [] and service.adapters.resident == frozenset()
-    service.lora_request("one")
-    assert (service.load.lora_requests, service.load.lora_loads) == (3, 2)
     assert await WorkerService(Engine(None), settings, None).resident_loras() == []  # type: ignore[arg-type]
-
-
-async def test_an_adapter_run_while_the_engine_lists_stays_resident(tmp_path: Path) -> None:
-    """The engine may list its adapters before a request that is on its way loads one: that
-    adapter is resident after the refresh all the same."""
-    import asyncio
-
-    adapters = Adapters(parse_modules(f"one={adapter_dir(tmp_path, 'a', 8)}"))
-    engine = Engine()
-    engine.step.clear()
-    listing = asyncio.create_task(adapters.refresh(engine))
-    await asyncio.sleep(0)  # the engine listed: nothing
-    assert adapters.run("one") is False  # a request loads it
-    engine.loaded[1] = "one"
-    engine.step.set()
-    assert await listing == frozenset({"one"})
-    assert adapters.run("one") is True
-
-
-async def test_a_run_time_load_evicts_from_the_engines_cache_and_from_resident(
-    tmp_path: Path,
-) -> None:
-    adapters = Adapters(parse_modules(f"one={adapter_dir(tmp_path, 'a', 8)}"))
-    engine = Engine(capacity=1)
-    assert adapters.run("one") is False
-    engine.loaded[1] = "one"
-    await adapters.load(engine, "two", adapter_dir(tmp_path, "b", 8))  # evicts one
-    assert adapters.resident == frozenset({"two"})
-    assert adapters.run("one") is False and adapters.run("two") is True
-    await adapters.unload(engine, "two")
-    assert "two" not in adapters.resident
 
 
 async def test_adapters_load_and_unload_at_run_time(tmp_path: Path) -> None:
