@@ -113,11 +113,18 @@ def test_an_adapter_evicted_from_the_engines_lora_cache_is_loaded_again_and_coun
         return (metric_sum(cluster, "pdserve_gateway_worker_lora_requests_total"),
                 metric_sum(cluster, "pdserve_gateway_worker_lora_loads_total"))  # fmt: skip
 
+    # A prompt of several blocks, so that every ask follows its prefix to the same prefill and
+    # decode worker: a short one went round robin, and the resident ask and the evicted one
+    # could land on different workers (a fresh-clone run counted 1 load where 2 were due).
+    sticky = [{"role": "system", "content": system_prompt(1)}, *QUESTION]
+    workers: list[str] = []
+
     def ask_counted() -> tuple[str, float]:
         """The adapter's answer, and the loads its prefill and decode worker needed."""
         requests, loads = counters()
-        text, _, worker = _ask(client, LORA_NAME, QUESTION)
+        text, _, worker = _ask(client, LORA_NAME, sticky)
         assert "local" not in worker, "a prefill worker and a decode worker"
+        workers.append(worker)
         wait_until(lambda: counters()[0] >= requests + 2, 30, "the workers report it")
         return text, counters()[1] - loads
 
@@ -135,7 +142,8 @@ def test_an_adapter_evicted_from_the_engines_lora_cache_is_loaded_again_and_coun
         finally:
             for name in names:
                 http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    assert len(set(workers)) == 1, f"every ask on the holder of its prefix: {workers}"
     assert loads == 2, "its prefill and its decode worker each loaded it again"
     assert evicted == first
-    base, _, _ = _ask(client, served_name(), QUESTION)
+    base, _, _ = _ask(client, served_name(), sticky)
     assert base != first
