@@ -227,7 +227,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """The line and count of a call refused before the core logged and counted it, under
         the model whose service it went to (``model``: None for one not authenticated)."""
         if request_log.refused_at_edge(request_id, ENDPOINT, err):
-            name = self.served.for_model(model).model_name
+            try:
+                name = self.served.for_model(model).model_name
+            except GatewayError:  # the name itself was refused (an ambiguous adapter)
+                name = self.served.default.model_name
             outcome = outcome_for(err)
             self.served.metrics.requests.labels(name, ENDPOINT, "none", outcome).inc()
 

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
@@ -205,11 +206,15 @@ async def test_an_adapter_name_two_base_models_serve_is_refused_naming_both(
         await _until_healthy(fleet.base_url, 2)
         reply = await _chat(fleet.base_url, "colors")
         base = await _chat(fleet.base_url, SECOND)
+        request = generate_pb2.GenerateRequest(model="colors", text="Hi")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _generate(f"127.0.0.1:{fleet.gateway.grpc_port}", request)
         served = {name: fleet.served(name) for name in fleet.fakes}
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "model"
     assert f"base models (`{served_name()}`, `{SECOND}`)" in error["message"]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
     # nothing went to either model's workers for it; a base model's request still does
     assert base.status_code == 200
     assert served == {"p-a": 0, "d-a": 0, "p-b": 1, "d-b": 1, "d-x": 0}
